@@ -1,0 +1,1 @@
+"""Decode worker: reserves KV blocks for prompts, receives their KV, generates the rest."""

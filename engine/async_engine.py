@@ -1,0 +1,192 @@
+"""An Engine on its own thread, driven from one asyncio loop.
+
+Contract: every public method is called from the loop's thread. The engine thread is the only
+one that touches the Engine; callers talk to it through a command queue, and outputs come back
+through per-request asyncio queues. Forward passes release the GIL, so the loop keeps serving
+RPCs while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections import deque
+from typing import Callable
+
+from engine.engine import Engine
+from engine.request import Request, RequestOutput, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._cmds: queue.Queue = queue.Queue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._pending_reserve: deque = deque()         # (Request, Future) waiting for blocks
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._cmds.put(None)
+        self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ API (loop thread)
+    def _call(self, fn: Callable, *args) -> asyncio.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._cmds.put((fn, args, fut))
+        return asyncio.wrap_future(fut)
+
+    def open_stream(self, request_id: str) -> asyncio.Queue:
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use on this worker")
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = q
+        return q
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    async def add(self, req: Request) -> asyncio.Queue:
+        """Queue a request for computation; its outputs arrive on the returned queue."""
+        q = self.open_stream(req.request_id)
+        try:
+            await self._call(self.engine.add_request, req)
+        except BaseException:
+            self.close_stream(req.request_id)
+            raise
+        return q
+
+    async def reserve(self, req: Request) -> list[int]:
+        """Decode role: reserve blocks for a prompt whose KV comes from elsewhere. Waits for
+        free blocks if needed. The caller must open_stream first and abort on cancellation."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._cmds.put((self._reserve_or_queue, (req, fut), None))
+        return await asyncio.wrap_future(fut)
+
+    async def remote_ready(self, request_id: str, first_token: int,
+                           logprob: TokenLogprob | None) -> None:
+        await self._call(self._remote_ready, request_id, first_token, logprob)
+
+    async def abort(self, request_id: str) -> bool:
+        self.close_stream(request_id)
+        return await self._call(self._abort, request_id)
+
+    def abort_nowait(self, request_id: str) -> None:
+        """Abort without waiting: safe in `finally` blocks of cancelled handlers."""
+        self.close_stream(request_id)
+        self._cmds.put((self._abort, (request_id,), None))
+
+    async def release(self, request_id: str) -> None:
+        await self._call(self.engine.release, request_id)
+
+    async def block_table(self, request_id: str) -> list[int]:
+        return await self._call(self.engine.block_table, request_id)
+
+    def load(self) -> tuple[int, int, int]:
+        """(running, waiting, free blocks): a racy snapshot, good enough for routing."""
+        s = self.engine.scheduler
+        return len(s.running), len(s.waiting) + len(self._pending_reserve), self.engine.pool.num_free
+
+    # ------------------------------------------------------------------ engine thread
+    def _reserve_or_queue(self, req: Request, fut: concurrent.futures.Future) -> None:
+        try:
+            blocks = self.engine.reserve_remote(req)
+        except Exception as exc:
+            fut.set_exception(exc)
+            return
+        if blocks is None:
+            self._pending_reserve.append((req, fut))
+        else:
+            self._resolve(req, fut, blocks)
+
+    def _resolve(self, req: Request, fut: concurrent.futures.Future, blocks: list[int]) -> None:
+        if fut.set_running_or_notify_cancel():
+            fut.set_result(blocks)
+        else:                                   # the caller went away while we waited
+            self.engine.abort(req.request_id)
+
+    def _retry_reservations(self) -> None:
+        while self._pending_reserve:
+            req, fut = self._pending_reserve[0]
+            if fut.cancelled():
+                self._pending_reserve.popleft()
+                continue
+            blocks = self.engine.reserve_remote(req)
+            if blocks is None:
+                return
+            self._pending_reserve.popleft()
+            self._resolve(req, fut, blocks)
+
+    def _remote_ready(self, request_id, first_token, logprob) -> None:
+        out = self.engine.remote_ready(request_id, first_token, logprob)
+        if out is not None:
+            self._emit([out])
+
+    def _abort(self, request_id: str) -> bool:
+        kept = deque(p for p in self._pending_reserve if p[0].request_id != request_id)
+        found = len(kept) != len(self._pending_reserve)
+        self._pending_reserve = kept
+        return self.engine.abort(request_id) or found
+
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        def deliver():
+            for o in outputs:
+                q = self._streams.get(o.request_id)
+                if q is not None:
+                    q.put_nowait(o)
+                    if o.finished:
+                        self._streams.pop(o.request_id, None)
+        self._loop.call_soon_threadsafe(deliver)
+
+    def _run_command(self, item) -> None:
+        fn, args, fut = item
+        if fut is None:
+            fn(*args)
+            return
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn(*args))
+        except Exception as exc:
+            fut.set_exception(exc)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            block = not self.engine.has_work()
+            try:
+                item = self._cmds.get(block=block, timeout=0.5 if block else None)
+                while item is not None:
+                    self._run_command(item)
+                    item = self._cmds.get_nowait()
+            except queue.Empty:
+                pass
+            if self._stop.is_set():
+                break
+            self._retry_reservations()
+            if not self.engine.has_work():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a bug must not hang every request: fail them loudly
+                log.exception("engine step failed")
+                outputs = self._fail_all(f"engine step failed: {exc}")
+            if outputs:
+                self._emit(outputs)
+
+    def _fail_all(self, message: str) -> list[RequestOutput]:
+        s = self.engine.scheduler
+        ids = [r.request_id for r in list(s.waiting) + s.running]
+        for rid in ids:
+            self.engine.abort(rid)
+        return [RequestOutput(rid, [], [], "error", message) for rid in ids]

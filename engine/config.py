@@ -1,0 +1,151 @@
+"""Frozen, validated configuration. Unknown keys are errors; messages say what to change."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# HF architecture name -> our model family (see engine/models).
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the model code needs from an HF config.json."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: tuple = ()          # sorted (key, value) pairs of HF's rope scaling dict
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @classmethod
+    def from_hf(cls, hf: dict, generation: dict | None = None) -> "ModelConfig":
+        archs = hf.get("architectures") or []
+        family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+        if family is None:
+            raise ValueError(f"unsupported architectures {archs}; supported: "
+                             f"{sorted(ARCHITECTURES)}")
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = hf.get("rope_theta", rope.pop("rope_theta", 10000.0))
+        rope.pop("rope_theta", None)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"rope type {rope_type!r} is not supported (default, llama3)")
+        rope_scaling = () if rope_type == "default" else tuple(sorted(
+            (k, v) for k, v in rope.items() if k != "type"))
+        heads = hf["num_attention_heads"]
+        eos = []
+        for src in (generation or {}, hf):
+            ids = src.get("eos_token_id")
+            for i in ([ids] if isinstance(ids, int) else ids or []):
+                if i not in eos:
+                    eos.append(int(i))
+        return cls(
+            family=family,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", family == "qwen2")),
+            qk_norm=family == "qwen3",
+            rope_scaling=rope_scaling,
+            eos_token_ids=tuple(eos),
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        d = Path(model_dir)
+        hf = json.loads((d / "config.json").read_text())
+        gen_path = d / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+        return cls.from_hf(hf, gen)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one engine runs. `num_blocks` must be resolved (> 0) before the engine starts."""
+
+    role: str = "decode"                 # "prefill": finish after the first token, keep blocks
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_blocks: int = 0
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int = 0               # 0: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"role must be 'prefill' or 'decode', got {self.role!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.num_blocks < 0 or self.max_model_len < 0:
+            raise ValueError("num_blocks and max_model_len must be >= 0")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown engine config keys {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**d)
+
+
+def kv_bytes_per_block(model: ModelConfig, engine: EngineConfig) -> int:
+    """Bytes one block takes across all layers (K and V)."""
+    elem = torch.empty((), dtype=engine.torch_dtype).element_size()
+    return 2 * model.num_layers * engine.block_size * model.num_kv_heads * model.head_dim * elem
+
+
+def blocks_for_gib(model: ModelConfig, engine: EngineConfig, gib: float) -> int:
+    n = int(gib * (1 << 30)) // kv_bytes_per_block(model, engine)
+    if n < 1:
+        raise ValueError(f"{gib} GiB holds no KV block of {kv_bytes_per_block(model, engine)} "
+                         "bytes; raise --kv-cache-gib")
+    return n
+
+
+__all__ = ["DTYPES", "ModelConfig", "EngineConfig", "kv_bytes_per_block", "blocks_for_gib"]

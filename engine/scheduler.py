@@ -1,0 +1,180 @@
+"""The scheduler: one catch-up rule for prefill and decode.
+
+Each step, every scheduled request advances num_computed_tokens toward num_tokens within the
+step's token budget. A prompt longer than the budget is split across steps (chunked prefill); a
+decoding request needs one token per step. When a step brings a request level with its tokens,
+that step's logits sample its next token.
+
+Order: running requests first (oldest first), then waiting ones (FIFO) while budget, sequence
+slots and blocks last. When a running request cannot get a block, the newest running request is
+preempted: its blocks are freed and it goes back to the front of the queue to be recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_pool import KVCacheManager
+from engine.config import EngineConfig
+from engine.request import Request, RequestOutput, Status, TokenLogprob
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    sample: bool            # this step reaches the end of the request's tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, kv: KVCacheManager, eos_token_ids: tuple[int, ...],
+                 max_model_len: int) -> None:
+        self.cfg = cfg
+        self.kv = kv
+        self.eos = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.remote: dict[str, Request] = {}     # decode: waiting for KV from a prefill worker
+        self.held: dict[str, Request] = {}       # prefill: finished, blocks kept until released
+        self._arrivals = 0
+
+    # ------------------------------------------------------------------ admission
+    def add(self, req: Request) -> None:
+        req.arrival, self._arrivals = self._arrivals, self._arrivals + 1
+        req.status = Status.WAITING
+        self.waiting.append(req)
+
+    def reserve_remote(self, req: Request) -> list[int] | None:
+        """Decode role: allocate blocks for the prompt, whose KV another worker will write.
+        Returns the block ids, or None when the pool cannot hold the prompt now."""
+        if self.kv.allocate_slots(req.request_id, req.num_prompt_tokens) is None:
+            return None
+        req.arrival, self._arrivals = self._arrivals, self._arrivals + 1
+        req.status = Status.WAITING_FOR_REMOTE_KV
+        self.remote[req.request_id] = req
+        return list(self.kv.block_table(req.request_id))
+
+    def remote_ready(self, request_id: str, first_token: int,
+                     logprob: TokenLogprob | None) -> RequestOutput | None:
+        """The prompt's KV has arrived with the first token: the request joins the batch."""
+        req = self.remote.pop(request_id, None)
+        if req is None:
+            return None                          # aborted meanwhile
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.append_token(first_token, logprob)
+        out = self._check_finish(req, [first_token], [logprob] if logprob else [])
+        if req.finished:
+            self.kv.free(req.request_id)
+        else:
+            req.status = Status.RUNNING
+            self.running.append(req)
+        return out
+
+    def abort(self, request_id: str) -> bool:
+        found = False
+        for coll in (self.remote, self.held):
+            if coll.pop(request_id, None) is not None:
+                found = True
+        for req in list(self.waiting) + self.running:
+            if req.request_id == request_id:
+                found = True
+                req.status, req.finish_reason = Status.FINISHED, "abort"
+        self.waiting = deque(r for r in self.waiting if r.request_id != request_id)
+        self.running = [r for r in self.running if r.request_id != request_id]
+        self.kv.free(request_id)
+        return found
+
+    def release(self, request_id: str) -> None:
+        """Prefill role: the KV of a finished request has been sent; free its blocks."""
+        self.held.pop(request_id, None)
+        self.kv.free(request_id)
+
+    # ------------------------------------------------------------------ scheduling
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.cfg.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status is not Status.RUNNING:
+                break                             # req preempted itself: nothing else fits
+            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs \
+                and not out.preempted:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
+            budget -= n
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+
+    # ------------------------------------------------------------------ after the forward pass
+    def update(self, sched: SchedulerOutput, tokens: list[int],
+               logprobs: list[TokenLogprob | None]) -> list[RequestOutput]:
+        """Advance the scheduled requests; `tokens` has one entry per request with sample=True."""
+        outputs = []
+        it = iter(zip(tokens, logprobs))
+        for s in sched.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            if not s.sample:
+                continue
+            tok, lp = next(it)
+            req.append_token(tok, lp)
+            out = self._check_finish(req, [tok], [lp] if lp else [])
+            if req.finished:
+                self.running.remove(req)
+                if self.cfg.role == "prefill":
+                    self.held[req.request_id] = req
+                else:
+                    self.kv.free(req.request_id)
+            outputs.append(out)
+        return outputs
+
+    def _check_finish(self, req: Request, toks: list[int], lps: list) -> RequestOutput:
+        reason = None
+        if self.cfg.role == "prefill":
+            reason = "prefilled"
+        elif not req.params.ignore_eos and toks[-1] in self.eos:
+            reason = "stop"
+        elif len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            req.status, req.finish_reason = Status.FINISHED, reason
+        return RequestOutput(req.request_id, toks, lps, reason)

@@ -1,0 +1,15 @@
+"""Moving KV blocks between workers.
+
+One interface split by role: a `KVSender` on prefill workers, a `KVReceiver` on decode workers.
+Transports register by name (`register_transport`) and are created lazily from a flag
+(`--kv-transport`). The first transport is `grpc`: a client stream into the decode worker's
+PushKV RPC. See kvtransfer.base for the contract.
+"""
+
+from kvtransfer.base import (KVReceiver, KVSender, KVSink, KVTransferError, LayoutMismatch,
+                             TransferTarget, check_layout, create_receiver, create_sender,
+                             register_transport, transports)
+
+__all__ = ["KVReceiver", "KVSender", "KVSink", "KVTransferError", "LayoutMismatch",
+           "TransferTarget", "check_layout", "create_receiver", "create_sender",
+           "register_transport", "transports"]

@@ -1,0 +1,119 @@
+"""The portable KV transport: a gRPC client stream of KVChunk messages into DecodeWorker.PushKV.
+
+Each message carries up to `blocks_per_message` blocks of every layer, so memory stays bounded
+for long prompts; the last one carries the first token. The decode worker serves PushKV on its
+ordinary gRPC port, so the receiver's address is the worker's address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import torch
+
+from engine.engine import KVLayout
+from engine.request import TokenLogprob
+from kvtransfer.base import (KVReceiver, KVSender, KVSink, KVTransferError, LayoutMismatch,
+                             TransferTarget, check_layout)
+from kvtransfer.wire import (layout_from_pb, layout_to_pb, logprob_from_pb, logprob_to_pb,
+                             tensor_from_bytes, tensor_to_bytes)
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+
+MAX_MESSAGE = 256 << 20
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE)]
+
+
+class GrpcKVSender(KVSender):
+    name = "grpc"
+
+    def __init__(self, layout: KVLayout, blocks_per_message: int = 16,
+                 timeout_s: float = 60.0) -> None:
+        self.layout = layout
+        self.blocks_per_message = blocks_per_message
+        self.timeout_s = timeout_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _stub(self, address: str) -> pb_grpc.DecodeWorkerStub:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return pb_grpc.DecodeWorkerStub(ch)
+
+    async def send(self, request_id: str, kv: torch.Tensor, src_blocks: list[int],
+                   target: TransferTarget, first_token: int,
+                   first_logprob: TokenLogprob | None) -> None:
+        check_layout(self.layout, target.layout)
+        if len(src_blocks) != len(target.block_ids):
+            raise KVTransferError(f"request {request_id}: {len(src_blocks)} source blocks for "
+                                  f"{len(target.block_ids)} destination blocks")
+        call = self._stub(target.address).PushKV(
+            self._messages(request_id, kv, src_blocks, target, first_token, first_logprob),
+            timeout=self.timeout_s)
+        try:
+            await call
+        except grpc.aio.AioRpcError as exc:
+            raise KVTransferError(f"KV push to {target.address} failed: "
+                                  f"{exc.code().name}: {exc.details()}") from exc
+
+    async def _messages(self, request_id, kv, src_blocks, target, first_token, first_logprob):
+        n = len(src_blocks)
+        step = self.blocks_per_message
+        layout = layout_to_pb(self.layout)
+        for i in range(0, max(n, 1), step):
+            src = torch.tensor(src_blocks[i:i + step], dtype=torch.long)
+            # [layers, 2, len(src), block_size, kv_heads, head_dim], gathered off the loop thread
+            data = await asyncio.to_thread(lambda: tensor_to_bytes(kv[:, :, src]))
+            last = i + step >= n
+            msg = pb.KVChunk(request_id=request_id, layout=layout,
+                             block_ids=list(target.block_ids[i:i + step]), data=data, last=last)
+            if last:
+                msg.first_token_id = first_token
+                if first_logprob is not None:
+                    msg.first_logprob.CopyFrom(logprob_to_pb(first_logprob))
+            yield msg
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+
+
+class GrpcKVReceiver(KVReceiver):
+    """Serves the body of DecodeWorker.PushKV; the decode servicer delegates to `push_kv`."""
+
+    name = "grpc"
+
+    def __init__(self, sink: KVSink, address: str) -> None:
+        self.sink = sink
+        self._address = address
+
+    def address(self) -> str:
+        return self._address
+
+    async def push_kv(self, requests, context: grpc.aio.ServicerContext) -> pb.PushKVReply:
+        received = 0
+        async for chunk in requests:
+            try:
+                check_layout(self.sink.layout, layout_from_pb(chunk.layout))
+            except LayoutMismatch as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            reserved = self.sink.reserved_blocks(chunk.request_id)
+            if reserved is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND,
+                                    f"request {chunk.request_id} has no KV reservation here "
+                                    "(aborted, finished, or never reserved)")
+            ids = list(chunk.block_ids)
+            if not set(ids) <= set(reserved):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"request {chunk.request_id}: blocks {ids} not reserved for it")
+            if ids:
+                data = tensor_from_bytes(chunk.data, self.sink.layout, len(ids))
+                await asyncio.to_thread(self.sink.write_blocks, ids, data)
+                received += len(ids)
+            if chunk.last:
+                lp = logprob_from_pb(chunk.first_logprob) if chunk.HasField("first_logprob") else None
+                await self.sink.complete(chunk.request_id, chunk.first_token_id, lp)
+        return pb.PushKVReply(blocks_received=received)

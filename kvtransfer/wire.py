@@ -1,0 +1,52 @@
+"""Conversions between engine types and proto messages used by transfers and services."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import DTYPES
+from engine.engine import KVLayout
+from engine.request import TokenLogprob
+from kvtransfer.base import TransferTarget
+from proto import pdserve_pb2 as pb
+
+
+def layout_to_pb(layout: KVLayout) -> pb.KVLayout:
+    return pb.KVLayout(dtype=layout.dtype, block_size=layout.block_size,
+                       num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+                       head_dim=layout.head_dim)
+
+
+def layout_from_pb(m: pb.KVLayout) -> KVLayout:
+    return KVLayout(m.dtype, m.block_size, m.num_layers, m.num_kv_heads, m.head_dim)
+
+
+def logprob_to_pb(lp: TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                           top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
+def logprob_from_pb(m: pb.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(m.token_id, m.logprob, [(t.token_id, t.logprob) for t in m.top])
+
+
+def target_to_pb(t: TransferTarget) -> pb.KVDescriptor:
+    return pb.KVDescriptor(transport=t.transport, address=t.address, engine_id=t.engine_id,
+                           layout=layout_to_pb(t.layout), block_ids=list(t.block_ids))
+
+
+def target_from_pb(m: pb.KVDescriptor) -> TransferTarget:
+    return TransferTarget(m.transport, m.address, m.engine_id, layout_from_pb(m.layout),
+                          tuple(m.block_ids))
+
+
+def tensor_to_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def tensor_from_bytes(data: bytes, layout: KVLayout, num_blocks: int) -> torch.Tensor:
+    """-> [num_layers, 2, num_blocks, block_size, kv_heads, head_dim] in the layout's dtype."""
+    shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads,
+             layout.head_dim)
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return flat.view(DTYPES[layout.dtype]).view(shape)

@@ -1,0 +1,7 @@
+"""pdserve: disaggregated prefill/decode LLM serving.
+
+This package holds what every process shares and that must stay torch-free: the command line,
+the local launcher, model fetching, and the Redis worker registry.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,163 @@
+"""Worker registry in Redis: registration with a heartbeat TTL, discovery by the gateway.
+
+Layout in Redis::
+
+    pdserve:worker:<worker_id>   hash   id, role, address, model, block_size, hash_seed,
+                                        dtype, num_layers, num_kv_heads, head_dim, total_blocks,
+                                        running, waiting, free_blocks, started_at
+                                 TTL    ttl_s, refreshed by every heartbeat
+
+A worker whose process dies stops refreshing, and its key disappears after ttl_s seconds. The
+gateway lists live workers with SCAN; it never needs a worker to say goodbye (it still does, on a
+clean shutdown). Torch-free: the gateway imports this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "pdserve:worker:"
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker tells the world about itself. Load fields are refreshed by each heartbeat."""
+
+    id: str
+    role: str
+    address: str
+    model: str
+    block_size: int
+    hash_seed: int
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    total_blocks: int
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    started_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"worker role must be one of {ROLES}, got {self.role!r}")
+        if ":" not in self.address:
+            raise ValueError(f"worker address must be host:port, got {self.address!r}")
+
+    def to_redis(self) -> dict[str, str]:
+        return {k: str(v) for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_redis(cls, raw: dict) -> "WorkerInfo":
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
+        kw = {}
+        for name, typ in fields.items():
+            value = raw.get(name.encode(), raw.get(name))
+            if value is None:
+                continue
+            if isinstance(value, bytes):
+                value = value.decode()
+            kw[name] = {"int": int, "float": float}.get(typ, str)(value)
+        return cls(**kw)
+
+    def layout_key(self) -> tuple:
+        """Settings every worker of a deployment must share for KV to move between them."""
+        return (self.model, self.block_size, self.hash_seed, self.dtype, self.num_layers,
+                self.num_kv_heads, self.head_dim)
+
+
+class WorkerRegistration:
+    """Keeps one worker's registration alive: call start(), then stop() on shutdown.
+
+    `load` is a zero-argument callable returning (running, waiting, free_blocks); it is read at
+    every heartbeat. Redis being down is logged and retried; it never stops the worker.
+    """
+
+    def __init__(self, redis_url: str, info: WorkerInfo, load=None, ttl_s: float = 10.0,
+                 interval_s: float = 2.0) -> None:
+        if interval_s >= ttl_s:
+            raise ValueError("heartbeat interval must be shorter than the TTL")
+        self.redis_url = redis_url
+        self.info = info
+        self.load = load
+        self.ttl_s = ttl_s
+        self.interval_s = interval_s
+        self._task: asyncio.Task | None = None
+        self._client = aioredis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+
+    @property
+    def key(self) -> str:
+        return KEY_PREFIX + self.info.id
+
+    async def beat(self) -> None:
+        info = self.info
+        if self.load is not None:
+            running, waiting, free = self.load()
+            info = dataclasses.replace(info, running=running, waiting=waiting, free_blocks=free)
+        async with self._client.pipeline(transaction=True) as pipe:
+            pipe.hset(self.key, mapping=info.to_redis())
+            pipe.pexpire(self.key, int(self.ttl_s * 1000))
+            await pipe.execute()
+
+    async def _loop(self) -> None:
+        warned = False
+        while True:
+            try:
+                await self.beat()
+                if warned:
+                    log.info("redis reachable again at %s", self.redis_url)
+                warned = False
+            except Exception as exc:  # redis down: keep serving, keep trying
+                if not warned:
+                    log.warning("cannot register in redis at %s: %s", self.redis_url, exc)
+                warned = True
+            await asyncio.sleep(self.interval_s)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        try:
+            await self._client.delete(self.key)
+        except Exception:
+            pass
+        await self._client.aclose()
+
+
+async def list_workers(client: aioredis.Redis, role: str | None = None) -> list[WorkerInfo]:
+    """All live workers (optionally of one role), sorted by id."""
+    keys = [k async for k in client.scan_iter(match=KEY_PREFIX + "*", count=100)]
+    if not keys:
+        return []
+    async with client.pipeline(transaction=False) as pipe:
+        for k in keys:
+            pipe.hgetall(k)
+        raws = await pipe.execute()
+    out = []
+    for raw in raws:
+        if not raw:
+            continue
+        try:
+            w = WorkerInfo.from_redis(raw)
+        except (TypeError, ValueError) as exc:
+            log.warning("ignoring malformed worker entry: %s", exc)
+            continue
+        if role is None or w.role == role:
+            out.append(w)
+    return sorted(out, key=lambda w: w.id)
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,123 @@
+"""Process scaffolding shared by the prefill and decode services: build the engine from flags,
+run the gRPC server with the health service, register in Redis, shut down cleanly.
+
+Imports torch (through the engine): the gateway never imports this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from pdserve.paths import resolve_model
+from pdserve.registry import WorkerInfo, WorkerRegistration
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE = 256 << 20
+SERVER_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE),
+                  ("grpc.max_receive_message_length", MAX_MESSAGE),
+                  ("grpc.so_reuseport", 0)]
+
+
+def build_engine(args, role: str):
+    """An Engine from the worker flags (see pdserve.cli)."""
+    import torch
+
+    from engine.config import EngineConfig, ModelConfig, blocks_for_gib
+    from engine.engine import Engine
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    model_dir = resolve_model(args.model)
+    model_cfg = ModelConfig.from_dir(model_dir)
+    cfg = EngineConfig(role=role, dtype=args.dtype, device=args.device,
+                       block_size=args.block_size, num_blocks=args.num_blocks,
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+    if cfg.num_blocks == 0:
+        import dataclasses
+        cfg = dataclasses.replace(cfg, num_blocks=blocks_for_gib(model_cfg, cfg, args.kv_cache_gib))
+    t0 = time.perf_counter()
+    engine = Engine(model_dir, cfg, model_cfg)
+    log.info("%s engine ready in %.1fs: %s, %s, %d KV blocks of %d tokens, %d threads", role,
+             time.perf_counter() - t0, model_dir.name, cfg.dtype, cfg.num_blocks, cfg.block_size,
+             torch.get_num_threads())
+    return engine, model_dir
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    id: str
+    address: str          # host:port other processes dial
+    served_model: str
+
+
+def sampling_from_pb(p) -> "SamplingParams":
+    """proto SamplingParams -> engine SamplingParams (raises ValueError on bad values)."""
+    from engine.request import SamplingParams
+
+    return SamplingParams(temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k,
+                          seed=p.seed if p.HasField("seed") else 0,
+                          max_tokens=max(p.max_tokens, 1), ignore_eos=p.ignore_eos,
+                          logprobs=p.logprobs or p.top_logprobs > 0, top_logprobs=p.top_logprobs)
+
+
+async def serve(args, role: str, add_services: Callable) -> None:
+    """Run one worker until SIGINT/SIGTERM.
+
+    add_services(server, async_engine, identity) registers the role's servicers and returns an
+    object with an async `close()` (or None).
+    """
+    from engine.async_engine import AsyncEngine
+
+    engine, model_dir = build_engine(args, role)
+    aengine = AsyncEngine(engine)
+    aengine.start()
+
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    if port == 0:
+        raise SystemExit(f"cannot bind {args.host}:{args.port}")
+    host = args.advertise_host or args.host
+    ident = WorkerIdentity(args.worker_id or f"{role}-{host}-{port}", f"{host}:{port}",
+                           args.served_model_name or model_dir.name)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    closer = add_services(server, aengine, ident)
+    await server.start()
+
+    lay = engine.layout
+    info = WorkerInfo(id=ident.id, role=role, address=ident.address, model=ident.served_model,
+                      block_size=lay.block_size, hash_seed=0, dtype=lay.dtype,
+                      num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
+                      head_dim=lay.head_dim, total_blocks=engine.pool.num_blocks,
+                      started_at=time.time())
+    reg = WorkerRegistration(args.redis_url, info, load=aengine.load)
+    reg.start()
+    await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
+    log.info("%s worker %s serving on %s", role, ident.id, ident.address)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("%s worker %s stopping", role, ident.id)
+    await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await reg.stop()
+    await server.stop(grace=2.0)
+    if closer is not None:
+        await closer.close()
+    aengine.stop()
+
+
+async def _set_health(servicer, status) -> None:
+    await servicer.set("", status)
