@@ -1,0 +1,127 @@
+"""Block pool, KV cache manager and scheduler on tiny configs, with exact expected block ids."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.block_pool import BlockPool, KVCacheManager, NoFreeBlocks
+from engine.config import EngineConfig
+from engine.request import Request, SamplingParams, Status
+from engine.scheduler import Scheduler
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4)
+
+
+def make(num_blocks=8, block_size=4, budget=8, max_seqs=4, role="decode"):
+    cfg = EngineConfig(role=role, block_size=block_size, num_blocks=num_blocks,
+                       max_num_batched_tokens=budget, max_num_seqs=max_seqs)
+    kv = KVCacheManager(BlockPool(num_blocks), block_size)
+    return Scheduler(cfg, kv, eos_token_ids=(0,), max_model_len=64), kv
+
+
+def test_pool_allocates_in_order_and_frees_tail_first():
+    pool = BlockPool(4)
+    assert pool.allocate(3) == [0, 1, 2]
+    pool.free([0, 1, 2])
+    assert pool.allocate(4) == [3, 2, 1, 0]
+    with pytest.raises(NoFreeBlocks):
+        pool.allocate(1)
+    pool.free([3])
+    with pytest.raises(RuntimeError, match="freed twice"):
+        pool.free([3])
+
+
+def test_chunked_prefill_respects_budget_and_block_ids():
+    s, kv = make(budget=8)
+    a = Request("a", list(range(1, 11)), GREEDY)      # 10 tokens
+    b = Request("b", [5, 6, 7], GREEDY)
+    s.add(a)
+    s.add(b)
+    out = s.schedule()
+    assert [(x.request.request_id, x.num_new_tokens, x.sample) for x in out.scheduled] == \
+        [("a", 8, False)]
+    assert kv.block_table("a") == [0, 1]
+    s.update(out, [], [])
+    out = s.schedule()                                # a finishes its prompt, b fits behind it
+    assert [(x.request.request_id, x.num_new_tokens, x.sample) for x in out.scheduled] == \
+        [("a", 2, True), ("b", 3, True)]
+    assert kv.block_table("a") == [0, 1, 2] and kv.block_table("b") == [3]
+    outs = s.update(out, [9, 9], [None, None])
+    assert [o.new_token_ids for o in outs] == [[9], [9]]
+    out = s.schedule()                                # decode: one token each
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 1), ("b", 1)]
+
+
+def test_long_prompt_spans_steps_and_shares_the_last_one():
+    s, _ = make(num_blocks=16, budget=8)
+    s.add(Request("long", list(range(1, 31)), GREEDY))
+    s.add(Request("short", [1, 2], GREEDY))
+    steps = []
+    for _ in range(4):
+        out = s.schedule()
+        steps.append([(x.request.request_id, x.num_new_tokens) for x in out.scheduled])
+        s.update(out, [3] * sum(x.sample for x in out.scheduled), [None] * 2)
+    assert steps == [[("long", 8)], [("long", 8)], [("long", 8)], [("long", 6), ("short", 2)]]
+
+
+def test_eos_and_length_finish_and_free():
+    s, kv = make()
+    s.add(Request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2)))
+    s.add(Request("b", [1, 2, 3], SamplingParams(temperature=0, max_tokens=5)))
+    outs = s.update(s.schedule(), [7, 0], [None, None])   # b samples EOS
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("a", None), ("b", "stop")]
+    outs = s.update(s.schedule(), [7], [None])
+    assert outs[0].finish_reason == "length"
+    assert kv.pool.num_free == kv.pool.num_blocks and not s.running
+
+
+def test_preempts_newest_and_recomputes():
+    s, kv = make(num_blocks=3, block_size=4, budget=16)
+    a = Request("a", [1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=8))
+    b = Request("b", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=8))
+    s.add(a)
+    s.add(b)
+    s.update(s.schedule(), [9, 9], [None, None])       # both prefilled: blocks a=[0], b=[1]
+    out = s.schedule()                                  # a needs block 2, b needs another: none
+    assert out.preempted == ["b"]
+    assert [x.request.request_id for x in out.scheduled] == ["a"]
+    assert b.status is Status.WAITING and b.num_computed_tokens == 0 and s.waiting[0] is b
+    assert kv.block_table("a") == [0, 2]
+    s.update(out, [9], [None])
+    s.abort("a")
+    out = s.schedule()                                  # b recomputes prompt + its token
+    assert [(x.request.request_id, x.num_new_tokens, x.sample) for x in out.scheduled] == \
+        [("b", 5, True)]
+
+
+def test_prefill_role_holds_blocks_until_released():
+    s, kv = make(role="prefill")
+    s.add(Request("a", [1, 2, 3, 4, 5], GREEDY))
+    outs = s.update(s.schedule(), [7], [None])
+    assert outs[0].finish_reason == "prefilled"
+    assert kv.block_table("a") == [0, 1] and "a" in s.held
+    s.release("a")
+    assert kv.pool.num_free == kv.pool.num_blocks
+
+
+def test_remote_reservation_joins_running_with_first_token():
+    s, kv = make()
+    req = Request("r", [1, 2, 3, 4, 5, 6], SamplingParams(temperature=0, max_tokens=3))
+    assert s.reserve_remote(req) == [0, 1]
+    assert req.status is Status.WAITING_FOR_REMOTE_KV and not s.has_work()
+    out = s.remote_ready("r", 42, None)
+    assert out.new_token_ids == [42] and not out.finished
+    sched = s.schedule()
+    assert [(x.num_new_tokens, x.sample) for x in sched.scheduled] == [(1, True)]
+    assert req.num_computed_tokens == 6
+    assert s.abort("r") and kv.pool.num_free == kv.pool.num_blocks
+
+
+def test_remote_reservation_refused_when_full_and_first_token_can_finish():
+    s, kv = make(num_blocks=2)
+    assert s.reserve_remote(Request("big", list(range(1, 10)), GREEDY)) is None
+    assert kv.pool.num_free == 2 and kv.num_requests == 0
+    req = Request("one", [1, 2], SamplingParams(temperature=0, max_tokens=1))
+    s.reserve_remote(req)
+    assert s.remote_ready("one", 5, None).finish_reason == "length"
+    assert kv.pool.num_free == 2
