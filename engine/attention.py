@@ -47,8 +47,8 @@ def gather_kv(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> tuple[t
     """K and V of the first `length` tokens of a sequence: two [length, kv_heads, head_dim]."""
     _, _, block_size, kv_heads, head_dim = cache.shape
     n = -(-length // block_size)
-    k = cache[0, blocks[:n]].reshape(-1, kv_heads, head_dim)[:length]
-    v = cache[1, blocks[:n]].reshape(-1, kv_heads, head_dim)[:length]
+    k = torch.index_select(cache[0], 0, blocks[:n]).view(-1, kv_heads, head_dim)[:length]
+    v = torch.index_select(cache[1], 0, blocks[:n]).view(-1, kv_heads, head_dim)[:length]
     return k, v
 
 

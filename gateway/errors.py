@@ -1,0 +1,44 @@
+"""The one error type of the gateway, rendered as an OpenAI error body or a gRPC status."""
+
+from __future__ import annotations
+
+import grpc
+
+_GRPC_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    404: grpc.StatusCode.NOT_FOUND,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+class GatewayError(Exception):
+    """A request the gateway refuses or cannot complete.
+
+    `status` is the HTTP status (400 bad input, 404 unknown model, 503 no worker / worker down,
+    500 worker failure); `param` names the offending request field; `code` is OpenAI's error code.
+    """
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+
+    @property
+    def type(self) -> str:
+        return "server_error" if self.status >= 500 else "invalid_request_error"
+
+    def body(self) -> dict:
+        """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def grpc_code(self) -> grpc.StatusCode:
+        return _GRPC_CODES.get(self.status, grpc.StatusCode.INTERNAL)
+
+
+def bad_request(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError(message, status=400, param=param)

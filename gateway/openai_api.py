@@ -1,0 +1,201 @@
+"""The OpenAI-compatible REST API (FastAPI).
+
+    POST /v1/completions        text or token-id prompt
+    POST /v1/chat/completions   messages rendered with the model's chat template
+    GET  /v1/models             the served model
+    GET  /health                200 while the app is up, with worker counts
+
+Errors are OpenAI error bodies (see errors.GatewayError). A streaming request is primed: the
+first Delta is awaited before the 200 is sent, so "no worker" and prefill failures still get a
+proper status; errors after that become an SSE error event followed by `data: [DONE]`.
+A client that disconnects aborts its request on the workers (streaming or not).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import AsyncGenerator, AsyncIterator, Awaitable, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.errors import GatewayError
+from gateway.openai_format import OpenAIFormatter
+from gateway.params import RequestPreparer
+from gateway.pipeline import Delta, Pipeline
+from gateway.protocol import ChatCompletionRequest, CompletionRequest, validation_error
+from gateway.router import Router
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the response was complete."""
+
+
+def _error_response(err: GatewayError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def _sse(payload: dict | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n".encode("utf-8")
+
+
+async def _wait_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _race_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`; if the client disconnects first, cancel it and raise ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled() or not task.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ClientDisconnected()
+    return task.result()
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events from an async generator of byte chunks.
+
+    The generator runs alongside a watch on the connection; when the client disconnects, it is
+    cancelled and closed right away (so its cleanup, e.g. aborting the workers, runs now).
+    """
+
+    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._events = events
+
+    async def _send_all(self, send) -> None:
+        async for chunk in self._events:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        stream = asyncio.ensure_future(self._send_all(send))
+        watch = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait({stream, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (stream, watch):
+                task.cancel()
+            await asyncio.gather(stream, watch, return_exceptions=True)
+            await self._events.aclose()
+        if not stream.cancelled() and isinstance(stream.exception(), Exception):
+            if not isinstance(stream.exception(), OSError):  # OSError: the client is gone
+                raise stream.exception()
+
+
+class OpenAIServer:
+    """The endpoints' logic, independent of FastAPI routing."""
+
+    def __init__(self, preparer: RequestPreparer, pipeline: Pipeline) -> None:
+        self.preparer = preparer
+        self.pipeline = pipeline
+
+    async def handle(self, request: Request, body: CompletionRequest | ChatCompletionRequest):
+        try:
+            prompt, raw = body.to_shared()
+            prepared = self.preparer.prepare(prompt, raw, body.model)
+        except GatewayError as err:
+            return _error_response(err)
+        fmt = OpenAIFormatter(prepared, self.preparer.tokenizer, body.include_usage)
+        deltas = self.pipeline.generate(prepared)
+        try:
+            if body.stream:
+                first = await _race_disconnect(request, deltas.__anext__())
+                return EventStreamResponse(self._events(fmt, first, deltas))
+            return JSONResponse(fmt.response(await _race_disconnect(request, _collect(deltas))))
+        except GatewayError as err:
+            await deltas.aclose()
+            return _error_response(err)
+        except ClientDisconnected:
+            await deltas.aclose()
+            log.info("client disconnected; request %s aborted", prepared.request_id)
+            return Response(status_code=499)
+        except StopAsyncIteration:
+            return _error_response(GatewayError("the request produced no output", status=500))
+
+    async def _events(self, fmt: OpenAIFormatter, first: Delta,
+                      deltas: AsyncIterator[Delta]) -> AsyncIterator[bytes]:
+        last = first
+        try:
+            if fmt.chat:
+                yield _sse(fmt.role_chunk())
+            for chunk in fmt.delta_chunks(first):
+                yield _sse(chunk)
+            async for delta in deltas:
+                last = delta
+                for chunk in fmt.delta_chunks(delta):
+                    yield _sse(chunk)
+            if fmt.include_usage:
+                yield _sse(fmt.usage_chunk(last.completion_tokens))
+        except GatewayError as err:
+            log.warning("request %s failed while streaming: %s", fmt.prepared.request_id, err)
+            yield _sse(err.body())
+        finally:
+            await deltas.aclose()
+        yield _sse("[DONE]")
+
+
+async def _collect(deltas: AsyncIterator[Delta]) -> list[Delta]:
+    async with contextlib.aclosing(deltas):
+        return [d async for d in deltas]
+
+
+def create_app(preparer: RequestPreparer, pipeline: Pipeline, router: Router) -> FastAPI:
+    """The FastAPI app of the gateway. Validation never reaches a worker."""
+    app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None)
+    server = OpenAIServer(preparer, pipeline)
+    served = preparer.served
+    started = int(time.time())
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError):
+        return _error_response(validation_error(list(exc.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        code = "not_found" if exc.status_code == 404 else None
+        err = GatewayError(str(exc.detail), status=exc.status_code, code=code)
+        return JSONResponse(err.body(), status_code=exc.status_code)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest):
+        return await server.handle(request, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatCompletionRequest):
+        return await server.handle(request, body)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": served.name, "object": "model", "created": started, "owned_by": "pdserve",
+            "max_model_len": served.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": served.name, "workers": router.counts()}
+
+    return app

@@ -1,0 +1,256 @@
+"""Drives one request through a decode worker D and a prefill worker P (see proto/pdserve.proto):
+
+    gateway --Decode(DecodeRequest)--> D        stream opens; D reserves KV blocks
+    gateway <--reservation (KVDescriptor)-- D
+    gateway --Prefill(destination=reservation)--> P     (a task, alongside reading D's stream)
+    gateway <--TokenBatch ... finish_reason-- D          detokenize, apply stop strings -> Delta
+
+Every exit (finish, stop string, worker error, consumer cancelled or closed) cancels the Decode
+stream and an unfinished Prefill call, so both workers free the request's blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+
+from gateway.errors import GatewayError
+from gateway.params import PreparedRequest
+from gateway.router import Router
+from gateway.tokenizer import Tokenizer
+from pdserve.registry import WorkerInfo
+from proto import pdserve_pb2, pdserve_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+DETOKENIZER_CONTEXT = 4  # prompt tokens that seed the detokenizer (leading-space rules)
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    reservation_timeout_s: float = 300.0   # D must answer with a reservation within this
+    prefill_timeout_s: float = 600.0       # deadline of the Prefill call
+    prefill_grace_s: float = 2.0           # wait for P's reply once D has finished
+
+    def __post_init__(self) -> None:
+        if min(self.reservation_timeout_s, self.prefill_timeout_s, self.prefill_grace_s) <= 0:
+            raise ValueError("pipeline timeouts must be positive")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]   # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one step of a request adds. `token_ids` are the new tokens (EOS included, its text
+    never); `logprobs` has one entry per token when asked for; `finish_reason` is None until the
+    last Delta ("stop" or "length"); `completion_tokens` counts all tokens so far."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprob, ...]
+    finish_reason: str | None
+    completion_tokens: int
+
+
+class StopStrings:
+    """Cuts generated text at the first stop string; holds back a tail that may start one.
+
+    `feed(text)` returns (text safe to emit, stopped). Once stopped, the emitted text ends just
+    before the stop string. `flush()` returns the held-back tail at the natural end.
+    """
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self._stops = stops
+        self._pending = ""
+
+    def _held_tail(self) -> int:
+        longest = 0
+        for stop in self._stops:
+            for n in range(min(len(stop) - 1, len(self._pending)), longest, -1):
+                if self._pending.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        self._pending += text
+        if not self._stops:
+            out, self._pending = self._pending, ""
+            return out, False
+        hits = [i for i in (self._pending.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            out, self._pending = self._pending[:min(hits)], ""
+            return out, True
+        keep = self._held_tail()
+        cut = len(self._pending) - keep
+        out, self._pending = self._pending[:cut], self._pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self._pending = self._pending, ""
+        return out
+
+
+class _RequestText:
+    """Per-request text state: incremental detokenizer + stop strings + token count."""
+
+    def __init__(self, tokenizer: Tokenizer, prepared: PreparedRequest) -> None:
+        self._eos = tokenizer.eos_token_ids
+        context = prepared.prompt_token_ids[-DETOKENIZER_CONTEXT:]
+        self._detok = tokenizer.detokenizer(context)
+        self._stops = StopStrings(prepared.params.stop)
+        self._count = 0
+
+    def consume(self, batch: pdserve_pb2.TokenBatch) -> Delta:
+        ids = tuple(batch.token_ids)
+        self._count += len(ids)
+        finish = batch.finish_reason or None
+        text_ids = ids[:-1] if finish == "stop" and ids and ids[-1] in self._eos else ids
+        text = self._detok.add(text_ids)
+        if finish:
+            text += self._detok.flush()
+        text, stopped = self._stops.feed(text)
+        if stopped:
+            finish = "stop"
+        elif finish:
+            text += self._stops.flush()
+        logprobs = tuple(TokenLogprob(lp.token_id, lp.logprob,
+                                      tuple((t.token_id, t.logprob) for t in lp.top))
+                         for lp in batch.logprobs)
+        return Delta(ids, text, logprobs, finish, self._count)
+
+
+def _worker_error(what: str, worker: WorkerInfo, exc: grpc.aio.AioRpcError) -> GatewayError:
+    code = exc.code()
+    message = f"{what} worker {worker.id} at {worker.address} failed: {code.name}: {exc.details()}"
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return GatewayError(message, status=400)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+        return GatewayError(message, status=503, code="worker_unavailable")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return GatewayError(message, status=504, code="worker_timeout")
+    return GatewayError(message, status=500, code="worker_error")
+
+
+class Pipeline:
+    """Runs prepared requests on the workers the router picks. Stateless between requests."""
+
+    def __init__(self, router: Router, tokenizer: Tokenizer,
+                 config: PipelineConfig = PipelineConfig()) -> None:
+        self.router = router
+        self.tokenizer = tokenizer
+        self.config = config
+
+    async def generate(self, prepared: PreparedRequest) -> AsyncIterator[Delta]:
+        """Yield the request's Deltas; the last one has finish_reason set.
+
+        Raises GatewayError: 503 when no worker is registered or one is unreachable, 500/504 on
+        other worker failures. Closing or cancelling the iterator aborts the request on both
+        workers. Consume it with `contextlib.aclosing` so that happens promptly.
+        """
+        prefill_w, decode_w = await self.router.pick_pair()
+        with self.router.track(prefill_w, decode_w):
+            decode = pdserve_pb2_grpc.DecodeWorkerStub(self.router.channel(decode_w.address))
+            call = decode.Decode(pdserve_pb2.DecodeRequest(
+                request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
+                params=prepared.params.to_proto()))
+            prefill: asyncio.Task | None = None
+            try:
+                reservation = await self._reservation(call, decode_w)
+                prefill = asyncio.ensure_future(self._prefill(prefill_w, prepared, reservation))
+                state = _RequestText(self.tokenizer, prepared)
+                while True:
+                    event = await self._next_event(call, decode_w, prefill)
+                    delta = state.consume(event.tokens)
+                    if delta.finish_reason and event.tokens.finish_reason:
+                        await self._finish_prefill(prefill)
+                    yield delta
+                    if delta.finish_reason:
+                        return
+            finally:
+                call.cancel()
+                _discard(prefill)
+
+    def _failed(self, what: str, worker: WorkerInfo, exc: grpc.aio.AioRpcError) -> GatewayError:
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            self.router.mark_unreachable(worker)
+        return _worker_error(what, worker, exc)
+
+    async def _reservation(self, call, worker: WorkerInfo) -> pdserve_pb2.KVDescriptor:
+        try:
+            event = await asyncio.wait_for(call.read(), self.config.reservation_timeout_s)
+        except asyncio.TimeoutError:
+            raise GatewayError(f"decode worker {worker.id} at {worker.address} did not reserve KV "
+                               f"blocks within {self.config.reservation_timeout_s:g} s",
+                               status=504, code="worker_timeout") from None
+        except grpc.aio.AioRpcError as exc:
+            raise self._failed("decode", worker, exc) from None
+        if event is grpc.aio.EOF or not event.HasField("reservation"):
+            raise GatewayError(f"decode worker {worker.id} did not open the request with a KV "
+                               f"reservation", status=500, code="worker_error")
+        return event.reservation
+
+    async def _prefill(self, worker: WorkerInfo, prepared: PreparedRequest,
+                       reservation: pdserve_pb2.KVDescriptor) -> pdserve_pb2.PrefillReply:
+        stub = pdserve_pb2_grpc.PrefillWorkerStub(self.router.channel(worker.address))
+        request = pdserve_pb2.PrefillRequest(
+            request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
+            params=prepared.params.to_proto(), destination=reservation)
+        try:
+            return await stub.Prefill(request, timeout=self.config.prefill_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise self._failed("prefill", worker, exc) from None
+
+    async def _next_event(self, call, decode_w: WorkerInfo,
+                          prefill: asyncio.Task) -> pdserve_pb2.DecodeEvent:
+        """The next token event of D; raises the Prefill call's error as soon as it fails."""
+        try:
+            if prefill.done():
+                prefill.result()
+                event = await call.read()
+            else:
+                event = await _read_unless_failed(call, prefill)
+        except grpc.aio.AioRpcError as exc:
+            raise self._failed("decode", decode_w, exc) from None
+        if event is grpc.aio.EOF:
+            raise GatewayError(f"decode worker {decode_w.id} closed the stream before the request "
+                               f"finished", status=500, code="worker_error")
+        if not event.HasField("tokens"):
+            raise GatewayError(f"decode worker {decode_w.id} sent an unexpected event",
+                               status=500, code="worker_error")
+        return event
+
+    async def _finish_prefill(self, prefill: asyncio.Task) -> None:
+        """After D finished on its own, let P's reply arrive (it is due) rather than abort P."""
+        if not prefill.done():
+            await asyncio.wait({prefill}, timeout=self.config.prefill_grace_s)
+
+
+async def _read_unless_failed(call, prefill: asyncio.Task):
+    read = asyncio.ensure_future(call.read())
+    try:
+        await asyncio.wait({read, prefill}, return_when=asyncio.FIRST_COMPLETED)
+        if not read.done():
+            prefill.result()  # raises the Prefill error; a success falls through to the read
+        return await read
+    finally:
+        _discard(read)
+
+
+def _discard(task: asyncio.Future | None) -> None:
+    """Cancel a task if still running; mark a failed one's exception as seen."""
+    if task is None:
+        return
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()

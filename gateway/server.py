@@ -1,0 +1,89 @@
+"""`pdserve gateway`: one asyncio loop serving REST (uvicorn + FastAPI) on --http-port, the gRPC
+Generate API on --grpc-port, and polling Redis for workers. SIGINT/SIGTERM stop it cleanly.
+
+Torch-free by design (a test checks that importing this module pulls in neither torch nor
+transformers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+from pathlib import Path
+
+import grpc
+import uvicorn
+
+from gateway.grpc_api import add_services
+from gateway.openai_api import create_app
+from gateway.params import RequestPreparer, ServedModel
+from gateway.pipeline import Pipeline
+from gateway.router import CHANNEL_OPTIONS, Router
+from gateway.tokenizer import Tokenizer
+from pdserve.paths import resolve_model
+
+log = logging.getLogger(__name__)
+
+
+def served_model(model_dir: Path, name: str | None, max_model_len: int) -> ServedModel:
+    """The served name (default: the folder's name) and context limit (default: config.json's
+    max_position_embeddings)."""
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    limit = max_model_len or int(config.get("max_position_embeddings") or 0)
+    if not limit:
+        raise SystemExit(f"{model_dir}/config.json has no max_position_embeddings; "
+                         "pass --max-model-len")
+    return ServedModel(name=name or model_dir.name, max_model_len=limit)
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: the gateway owns SIGINT/SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Run the gateway until SIGINT/SIGTERM (or until the HTTP server stops)."""
+    model_dir = resolve_model(args.model)
+    served = served_model(model_dir, args.served_model_name, args.max_model_len)
+    preparer = RequestPreparer(Tokenizer(model_dir), served)
+    router = Router(args.redis_url)
+    pipeline = Pipeline(router, preparer.tokenizer)
+
+    grpc_server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    health = await add_services(grpc_server, preparer, pipeline)
+    grpc_port = grpc_server.add_insecure_port(f"{args.host}:{args.grpc_port}")
+    if not grpc_port:
+        raise SystemExit(f"cannot bind the gRPC port {args.host}:{args.grpc_port}")
+    http = _Uvicorn(uvicorn.Config(create_app(preparer, pipeline, router), host=args.host,
+                                   port=args.http_port, log_level=args.log_level.lower(),
+                                   lifespan="off", access_log=False))
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda: setattr(http, "should_exit", True))
+    await router.start()
+    await grpc_server.start()
+    log.info("gateway serving %s (max_model_len %d): REST http://%s:%d, gRPC %s:%d, redis %s",
+             served.name, served.max_model_len, args.host, args.http_port, args.host, grpc_port,
+             args.redis_url)
+    try:
+        await http.serve()
+    finally:
+        log.info("gateway shutting down")
+        await health.enter_graceful_shutdown()
+        await grpc_server.stop(grace=5.0)
+        await router.stop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def main(args: argparse.Namespace) -> int:
+    asyncio.run(serve(args))
+    return 0

@@ -1,0 +1,97 @@
+"""Shared fixtures: real Redis servers on free ports, the default model folder."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A private redis-server process (no persistence) on a free port."""
+
+    def __init__(self, workdir: Path) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.skip("redis-server is not installed (apt-get install redis-server)")
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(workdir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout_s: float = 10.0) -> None:
+        import redis
+
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                try:
+                    if client.ping():
+                        return
+                except redis.ConnectionError:
+                    if self.proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"redis-server did not start on port {self.port}")
+                    time.sleep(0.05)
+        finally:
+            client.close()
+
+    def flush(self) -> None:
+        import redis
+
+        client = redis.Redis.from_url(self.url)
+        client.flushall()
+        client.close()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """One redis-server for the whole session. Tests that need an empty database use `redis_url`."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    """URL of the session's redis-server, flushed before the test."""
+    redis_server.flush()
+    return redis_server.url
+
+
+@pytest.fixture
+def private_redis(tmp_path):
+    """A redis-server of this test's own, which the test may stop (e.g. to test Redis loss)."""
+    server = RedisServer(tmp_path)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """The default model folder (SmolLM2-135M-Instruct); skips when it has not been fetched."""
+    from pdserve.paths import default_model_dir
+
+    path = default_model_dir()
+    if not (path / ".pdserve-complete").is_file():
+        pytest.skip(f"the default model is not at {path}: run `pdserve model fetch`")
+    return path

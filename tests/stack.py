@@ -1,0 +1,143 @@
+"""Real processes for integration tests: redis-server, prefill and decode workers, gateway.
+
+Every process listens on 127.0.0.1 on a free port, logs to a file under the test's tmp dir, and
+is killed at the end. Workers get one torch thread each (two cores run everything).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdserve import health
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(pred, timeout_s: float, what: str, procs=()) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for p, log in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{what}: process exited with {p.returncode}; log:\n"
+                                   + Path(log).read_text()[-3000:])
+        if pred():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} not ready after {timeout_s}s")
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    address: str
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            self.popen.kill()
+            self.popen.wait(10)
+
+
+@dataclass
+class Stack:
+    model: str
+    workdir: Path
+    procs: list[Proc] = field(default_factory=list)
+    redis_url: str = ""
+
+    def _spawn(self, name: str, args: list[str], address: str) -> Proc:
+        log = self.workdir / f"{name}.log"
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
+        popen = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
+                                 cwd=self.workdir)
+        p = Proc(name, popen, log, address)
+        self.procs.append(p)
+        return p
+
+    def start_redis(self) -> Proc:
+        port = free_port()
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+        p = self._spawn("redis", [exe, "--port", str(port), "--save", "", "--appendonly", "no",
+                                  "--bind", "127.0.0.1"], f"127.0.0.1:{port}")
+        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        wait_until(lambda: _tcp_open(port), 20, "redis", [(p.popen, p.log)])
+        return p
+
+    def start_worker(self, role: str, *extra: str, name: str | None = None) -> Proc:
+        port = free_port()
+        name = name or f"{role}-{port}"
+        p = self._spawn(name, [sys.executable, "-m", "pdserve.cli", role, "--model", self.model,
+                               "--port", str(port), "--redis-url", self.redis_url,
+                               "--threads", "1", "--kv-cache-gib", "0.25", *extra],
+                        f"127.0.0.1:{port}")
+        return p
+
+    def start_gateway(self, *extra: str) -> Proc:
+        http, grpc_port = free_port(), free_port()
+        p = self._spawn("gateway", [sys.executable, "-m", "pdserve.cli", "gateway", "--model",
+                                    self.model, "--http-port", str(http), "--grpc-port",
+                                    str(grpc_port), "--redis-url", self.redis_url, *extra],
+                        f"127.0.0.1:{grpc_port}")
+        p.http = f"http://127.0.0.1:{http}"
+        return p
+
+    def wait_healthy(self, timeout_s: float = 180) -> None:
+        for p in self.procs:
+            if p.name == "redis":
+                continue
+            if p.name == "gateway":
+                pred = lambda p=p: _gateway_sees_workers(p.http)  # noqa: E731
+            else:
+                pred = lambda p=p: health.grpc_serving(p.address, 1.0)  # noqa: E731
+            wait_until(pred, timeout_s, p.name, [(p.popen, p.log)])
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            if p.alive():
+                p.popen.terminate()
+        for p in reversed(self.procs):
+            try:
+                p.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.log.read_text()[-2000:]}" for p in self.procs)
+
+
+def _tcp_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _gateway_sees_workers(base: str) -> bool:
+    """The gateway is up and has discovered at least one worker of each role."""
+    import httpx
+
+    try:
+        body = httpx.get(base + "/health", timeout=2).json()
+    except (httpx.HTTPError, ValueError):
+        return False
+    workers = body.get("workers", {})
+    return workers.get("prefill", 0) >= 1 and workers.get("decode", 0) >= 1

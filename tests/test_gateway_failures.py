@@ -1,0 +1,165 @@
+"""The gateway's failure paths with real processes: client gone (REST non-streaming, gRPC cancel),
+a stop string, a prefill or decode worker dying mid-request (a clean error, never a hang), and a
+clean SIGTERM. The tests run in file order on one stack and end by killing its workers."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+import redis
+
+from pdserve.registry import KEY_PREFIX
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from tests.stack import Stack
+
+pytestmark = pytest.mark.slow
+
+LONG = {"prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir, tmp_path_factory):
+    s = Stack(str(model_dir), tmp_path_factory.mktemp("stack"))
+    try:
+        s.start_redis()
+        s.start_worker("prefill", name="prefill")
+        s.start_worker("decode", name="decode")
+        s.start_gateway()
+        s.wait_healthy()
+        _wait_workers_known(s)
+        yield s
+    except BaseException:
+        print(s.logs())
+        raise
+    finally:
+        s.stop()
+
+
+def _proc(stack, name):
+    return next(p for p in stack.procs if p.name == name)
+
+
+def _wait_workers_known(stack, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        workers = httpx.get(_proc(stack, "gateway").http + "/health").json()["workers"]
+        if workers["prefill"] and workers["decode"]:
+            return
+        time.sleep(0.2)
+    raise TimeoutError("the gateway never saw both workers")
+
+
+def _wait_registered(stack, addresses: set[str], timeout_s: float = 120) -> None:
+    """Until the registry holds exactly these workers (dead ones expire after their TTL) and
+    the gateway has polled it since."""
+    client = redis.Redis.from_url(stack.redis_url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while {(client.hget(k, "address") or b"").decode()
+               for k in client.scan_iter(KEY_PREFIX + "*")} - {""} != addresses:
+            assert time.monotonic() < deadline, "workers did not (un)register in time"
+            time.sleep(0.2)
+    finally:
+        client.close()
+    time.sleep(1.0)
+
+
+def _busy(stack, role: str) -> tuple[int, int, int]:
+    with grpc.insecure_channel(_proc(stack, role).address) as ch:
+        stub = (pb_grpc.DecodeWorkerStub if role == "decode" else pb_grpc.PrefillWorkerStub)(ch)
+        s = stub.Stats(pb.StatsRequest(), timeout=10)
+    return s.running, s.waiting, s.total_blocks - s.free_blocks
+
+
+def _wait_idle(stack, *roles: str, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(_busy(stack, r) != (0, 0, 0) for r in roles):
+        assert time.monotonic() < deadline, {r: _busy(stack, r) for r in roles}
+        time.sleep(0.2)
+
+
+def test_non_streaming_client_gone_aborts_on_workers(stack):
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(_proc(stack, "gateway").http + "/v1/completions", json=LONG, timeout=3)
+    _wait_idle(stack, "prefill", "decode")
+
+
+def test_grpc_cancel_aborts_on_workers(stack):
+    with grpc.insecure_channel(_proc(stack, "gateway").address) as ch:
+        stream = pb_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
+            text=LONG["prompt"], params=pb.SamplingParams(max_tokens=2000, ignore_eos=True)))
+        for i, _ in enumerate(stream):
+            if i == 3:
+                stream.cancel()
+                break
+    _wait_idle(stack, "prefill", "decode")
+
+
+def test_stop_string_streaming_matches_non_streaming(stack):
+    url = _proc(stack, "gateway").http + "/v1/completions"
+    req = {"prompt": "Count: 1, 2, 3,", "max_tokens": 100, "temperature": 0, "stop": [" 7"]}
+    full = httpx.post(url, json=req, timeout=60).json()["choices"][0]
+    with httpx.stream("POST", url, json=dict(req, stream=True), timeout=60) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert "".join(c["text"] for c in chunks) == full["text"]
+    assert " 7" not in full["text"] and full["finish_reason"] == "stop"
+    assert chunks[-1]["finish_reason"] == "stop"
+    _wait_idle(stack, "prefill", "decode")
+
+
+def _stream_in_thread(url: str, body: dict) -> tuple[threading.Thread, list]:
+    events: list = []
+
+    def read():
+        try:
+            with httpx.stream("POST", url, json=body, timeout=60) as r:
+                events.extend(line for line in r.iter_lines() if line)
+        except httpx.HTTPError as exc:
+            events.append(repr(exc))
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread, events
+
+
+def test_prefill_death_is_a_clean_error_and_frees_decode(stack):
+    url = _proc(stack, "gateway").http + "/v1/completions"
+    _proc(stack, "prefill").kill()
+    resp = httpx.post(url, json={"prompt": "hi", "max_tokens": 4}, timeout=60)
+    assert resp.status_code == 503, resp.text
+    assert "prefill worker" in resp.json()["error"]["message"]
+    _wait_idle(stack, "decode")
+
+
+def test_decode_death_mid_stream_ends_the_stream_with_an_error(stack):
+    gateway = _proc(stack, "gateway")
+    new = stack.start_worker("prefill", name="prefill2")
+    _wait_registered(stack, {new.address, _proc(stack, "decode").address})
+    thread, events = _stream_in_thread(gateway.http + "/v1/completions", dict(LONG, stream=True))
+    deadline = time.monotonic() + 60
+    while len(events) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(events) >= 3, events
+    _proc(stack, "decode").kill()
+    thread.join(30)
+    assert not thread.is_alive(), "the stream hung after the decode worker died"
+    assert events[-1] == "data: [DONE]"
+    assert "decode worker" in json.loads(events[-2][6:])["error"]["message"]
+    resp = httpx.post(gateway.http + "/v1/completions", json={"prompt": "hi", "max_tokens": 4},
+                      timeout=30)
+    assert resp.status_code == 503
+
+
+def test_sigterm_stops_the_gateway_cleanly(stack):
+    gateway = _proc(stack, "gateway")
+    gateway.popen.send_signal(signal.SIGTERM)
+    assert gateway.popen.wait(20) == 0

@@ -1,0 +1,67 @@
+"""The dependency rules of ARCHITECTURE.md, checked on the source (imports parsed with ast)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+OURS = {"engine", "kernels", "kvtransfer", "prefill_service", "decode_service", "gateway",
+        "proto", "pdserve"}
+
+# package -> top-level modules it must never import
+FORBIDDEN = {
+    "engine": {"grpc", "redis", "proto", "kvtransfer", "prefill_service", "decode_service",
+               "gateway", "pdserve", "fastapi"},
+    "kernels": OURS - {"kernels"} | {"grpc", "redis"},
+    "kvtransfer": {"prefill_service", "decode_service", "gateway", "redis"},
+    "gateway": {"torch", "transformers", "engine", "kernels", "kvtransfer", "prefill_service",
+                "decode_service", "safetensors", "triton"},
+    "prefill_service": {"gateway", "decode_service"},
+    "decode_service": {"gateway", "prefill_service"},
+}
+
+
+def imports_of(package: str) -> dict[str, set[str]]:
+    out = {}
+    for f in (ROOT / package).rglob("*.py"):
+        if f.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+            continue
+        mods = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                mods |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                mods.add(node.module.split(".")[0])
+        out[str(f.relative_to(ROOT))] = mods
+    return out
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_dependencies_point_one_way(package):
+    bad = {f: sorted(m & FORBIDDEN[package]) for f, m in imports_of(package).items()
+           if m & FORBIDDEN[package]}
+    assert not bad, f"{package} imports what it must not: {bad}"
+
+
+def test_gateway_starts_without_torch():
+    code = ("import sys, gateway.server, pdserve.cli, pdserve.registry; "
+            "bad = [m for m in ('torch', 'transformers', 'engine') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_transformers_does_not_take_our_kernels_package():
+    code = ("import kernels, transformers.utils.import_utils as iu; "
+            "assert not iu.is_kernels_available(), 'transformers sees our kernels package'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_top_level_layout():
+    for name in ["pyproject.toml", "README.md", "Makefile", "Dockerfile", "docker-compose.yml",
+                 ".ci/run", "proto/pdserve.proto", *[f"{p}/__init__.py" for p in sorted(OURS)]]:
+        assert (ROOT / name).exists(), name
