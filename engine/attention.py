@@ -3,6 +3,11 @@
 A step's batch is ragged: B sequences, each contributing q_len_i new tokens, concatenated into
 T = sum(q_len_i) rows with no padding. `AttentionMetadata` describes that batch once per step and
 is passed explicitly to every layer.
+
+Two groups are attended differently:
+  * decode rows (q_len 1): all at once, one gather of their context slots and one SDPA call over
+    a [B_dec, heads, 1, L_max] problem with a padding mask (L_max: the longest context);
+  * prefill chunks (q_len > 1): one SDPA call per sequence (causal, offset by cached context).
 """
 
 from __future__ import annotations
@@ -14,6 +19,17 @@ import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
+class DecodeGroup:
+    """rows: [Bd] long, rows of the step's T that are single-token decodes;
+    slots: [Bd, L_max] long, flat cache slot of each context position (0 where padded);
+    mask: [Bd, 1, 1, L_max] bool, True where the position is real."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """Shapes: T = new tokens in the step, B = sequences in the step.
 
@@ -21,16 +37,52 @@ class AttentionMetadata:
     query_start_loc:  B + 1 ints, sequence i owns rows [query_start_loc[i], query_start_loc[i+1])
     seq_lens:         B ints, context length of sequence i after this step (cached + new)
     block_tables:     B long tensors, the blocks of sequence i in order
+    prefill_seqs:     indices i of sequences with more than one new token
+    decode:           the single-token sequences, batched (None if there are none)
     """
 
     slot_mapping: torch.Tensor
     query_start_loc: list[int]
     seq_lens: list[int]
     block_tables: list[torch.Tensor]
+    prefill_seqs: list[int]
+    decode: DecodeGroup | None
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    @classmethod
+    def build(cls, tables: list[list[int]], starts: list[int], q_lens: list[int],
+              block_size: int, device: torch.device) -> "AttentionMetadata":
+        """tables: each sequence's blocks; starts: its cached tokens; q_lens: its new tokens."""
+        slots, qsl, seq_lens, prefill, dec_rows, dec_slots = [], [0], [], [], [], []
+        for i, (table, start, n) in enumerate(zip(tables, starts, q_lens)):
+            ctx = [table[p // block_size] * block_size + p % block_size for p in range(start + n)]
+            slots.extend(ctx[start:])
+            if n == 1:
+                dec_rows.append(qsl[-1])
+                dec_slots.append(ctx)
+            else:
+                prefill.append(i)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+        decode = None
+        if dec_rows:
+            width = max(len(s) for s in dec_slots)
+            padded = torch.zeros(len(dec_slots), width, dtype=torch.long)
+            mask = torch.zeros(len(dec_slots), width, dtype=torch.bool)
+            for j, s in enumerate(dec_slots):
+                padded[j, :len(s)] = torch.tensor(s, dtype=torch.long)
+                mask[j, :len(s)] = True
+            decode = DecodeGroup(torch.tensor(dec_rows, dtype=torch.long, device=device),
+                                 padded.to(device), mask[:, None, None, :].to(device))
+        block_tensors = [torch.tensor(tables[i], dtype=torch.long, device=device) for i in prefill]
+        all_tables = [None] * len(tables)
+        for i, t in zip(prefill, block_tensors):
+            all_tables[i] = t
+        return cls(torch.tensor(slots, dtype=torch.long, device=device), qsl, seq_lens,
+                   all_tables, prefill, decode)
 
 
 def store_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -60,11 +112,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
     Returns [T, heads, head_dim].
     """
     out = torch.empty_like(q)
+    if meta.decode is not None:
+        out[meta.decode.rows] = _decode_attention(q, cache, meta.decode, scale)
     qsl = meta.query_start_loc
-    for i, seq_len in enumerate(meta.seq_lens):
-        start, end = qsl[i], qsl[i + 1]
-        q_len = end - start
-        if q_len == seq_len:       # nothing cached before: attend over the step's own rows
+    for i in meta.prefill_seqs:
+        start, end, seq_len = qsl[i], qsl[i + 1], meta.seq_lens[i]
+        if end - start == seq_len:       # nothing cached before: attend over the step's own rows
             ks, vs = k[start:end], v[start:end]
         else:
             ks, vs = gather_kv(cache, meta.block_tables[i], seq_len)
@@ -72,13 +125,27 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
     return out
 
 
+def _decode_attention(q: torch.Tensor, cache: torch.Tensor, group: DecodeGroup,
+                      scale: float) -> torch.Tensor:
+    """One query per sequence over its padded context. Returns [Bd, heads, head_dim]."""
+    _, _, _, kv_heads, head_dim = cache.shape
+    bd, width = group.slots.shape
+    flat = group.slots.view(-1)
+    k = cache[0].view(-1, kv_heads, head_dim).index_select(0, flat)       # [Bd*L, KVH, D]
+    v = cache[1].view(-1, kv_heads, head_dim).index_select(0, flat)
+    k = k.view(bd, width, kv_heads, head_dim).transpose(1, 2)             # [Bd, KVH, L, D]
+    v = v.view(bd, width, kv_heads, head_dim).transpose(1, 2)
+    qd = q[group.rows].unsqueeze(2)                                       # [Bd, H, 1, D]
+    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=group.mask, scale=scale,
+                                       enable_gqa=True)                   # [Bd, H, 1, D]
+    return o.squeeze(2)
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [q_len, heads, d]; k, v: [kv_len, kv_heads, d]; queries are the last q_len positions."""
     q_len, kv_len = q.shape[0], k.shape[0]
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))   # [1, heads, len, d]
-    if q_len == 1:
-        o = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=True)
-    elif q_len == kv_len:
+    if q_len == kv_len:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
                                            enable_gqa=True)
     else:  # a chunk after cached context: query i sits at position kv_len - q_len + i

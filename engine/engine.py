@@ -115,23 +115,21 @@ class Engine:
         return self.scheduler.update(sched, tokens, logprobs)
 
     def _prepare(self, sched: SchedulerOutput):
-        bs = self.cfg.block_size
-        ids, pos, slots, qsl, seq_lens, tables, sample_rows = [], [], [], [0], [], [], []
+        """Flatten the scheduled requests into the step's inputs: token ids [T], positions [T],
+        attention metadata, and the rows [S] whose logits are sampled."""
+        ids, pos, tables, starts, q_lens, sample_rows = [], [], [], [], [], []
         for s in sched.scheduled:
             req = s.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
-            table = self.kv_manager.block_table(req.request_id)
             ids.extend(req.all_token_ids[start:end])
             pos.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            qsl.append(qsl[-1] + s.num_new_tokens)
-            seq_lens.append(end)
-            tables.append(torch.tensor(table, dtype=torch.long, device=self.device))
+            tables.append(self.kv_manager.block_table(req.request_id))
+            starts.append(start)
+            q_lens.append(s.num_new_tokens)
             if s.sample:
-                sample_rows.append(qsl[-1] - 1)
+                sample_rows.append(len(ids) - 1)
         dev = self.device
-        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), qsl, seq_lens,
-                                 tables)
+        meta = AttentionMetadata.build(tables, starts, q_lens, self.cfg.block_size, dev)
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(pos, dtype=torch.long, device=dev), meta,
                 torch.tensor(sample_rows, dtype=torch.long, device=dev))
