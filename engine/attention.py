@@ -21,11 +21,11 @@ import torch.nn.functional as F
 @dataclass(frozen=True)
 class DecodeGroup:
     """rows: [Bd] long, rows of the step's T that are single-token decodes;
-    slots: [Bd, L_max] long, flat cache slot of each context position (0 where padded);
-    mask: [Bd, 1, 1, L_max] bool, True where the position is real."""
+    blocks: [Bd, nb_max] long, each sequence's block table padded with block 0;
+    mask: [Bd, 1, 1, nb_max * block_size] bool, True where the position is real."""
 
     rows: torch.Tensor
-    slots: torch.Tensor
+    blocks: torch.Tensor
     mask: torch.Tensor
 
 
@@ -56,31 +56,31 @@ class AttentionMetadata:
     def build(cls, tables: list[list[int]], starts: list[int], q_lens: list[int],
               block_size: int, device: torch.device) -> "AttentionMetadata":
         """tables: each sequence's blocks; starts: its cached tokens; q_lens: its new tokens."""
-        slots, qsl, seq_lens, prefill, dec_rows, dec_slots = [], [0], [], [], [], []
+        slots, qsl, seq_lens, prefill, dec_rows, dec_seqs = [], [0], [], [], [], []
         for i, (table, start, n) in enumerate(zip(tables, starts, q_lens)):
-            ctx = [table[p // block_size] * block_size + p % block_size for p in range(start + n)]
-            slots.extend(ctx[start:])
+            slots.extend(table[p // block_size] * block_size + p % block_size
+                         for p in range(start, start + n))
             if n == 1:
                 dec_rows.append(qsl[-1])
-                dec_slots.append(ctx)
+                dec_seqs.append(i)
             else:
                 prefill.append(i)
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
         decode = None
         if dec_rows:
-            width = max(len(s) for s in dec_slots)
-            padded = torch.zeros(len(dec_slots), width, dtype=torch.long)
-            mask = torch.zeros(len(dec_slots), width, dtype=torch.bool)
-            for j, s in enumerate(dec_slots):
-                padded[j, :len(s)] = torch.tensor(s, dtype=torch.long)
-                mask[j, :len(s)] = True
+            nb = max(-(-seq_lens[i] // block_size) for i in dec_seqs)
+            padded = torch.zeros(len(dec_seqs), nb, dtype=torch.long)
+            for j, i in enumerate(dec_seqs):
+                used = -(-seq_lens[i] // block_size)
+                padded[j, :used] = torch.tensor(tables[i][:used], dtype=torch.long)
+            lens = torch.tensor([seq_lens[i] for i in dec_seqs])
+            mask = torch.arange(nb * block_size)[None, :] < lens[:, None]   # [Bd, nb * bs]
             decode = DecodeGroup(torch.tensor(dec_rows, dtype=torch.long, device=device),
                                  padded.to(device), mask[:, None, None, :].to(device))
-        block_tensors = [torch.tensor(tables[i], dtype=torch.long, device=device) for i in prefill]
-        all_tables = [None] * len(tables)
-        for i, t in zip(prefill, block_tensors):
-            all_tables[i] = t
+        chunked = set(prefill)
+        all_tables = [torch.tensor(tables[i], dtype=torch.long, device=device)
+                      if i in chunked else None for i in range(len(tables))]
         return cls(torch.tensor(slots, dtype=torch.long, device=device), qsl, seq_lens,
                    all_tables, prefill, decode)
 
@@ -128,13 +128,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
 def _decode_attention(q: torch.Tensor, cache: torch.Tensor, group: DecodeGroup,
                       scale: float) -> torch.Tensor:
     """One query per sequence over its padded context. Returns [Bd, heads, head_dim]."""
-    _, _, _, kv_heads, head_dim = cache.shape
-    bd, width = group.slots.shape
-    flat = group.slots.view(-1)
-    k = cache[0].view(-1, kv_heads, head_dim).index_select(0, flat)       # [Bd*L, KVH, D]
-    v = cache[1].view(-1, kv_heads, head_dim).index_select(0, flat)
-    k = k.view(bd, width, kv_heads, head_dim).transpose(1, 2)             # [Bd, KVH, L, D]
-    v = v.view(bd, width, kv_heads, head_dim).transpose(1, 2)
+    _, _, block_size, kv_heads, head_dim = cache.shape
+    bd, nb = group.blocks.shape
+    flat = group.blocks.view(-1)
+    k = cache[0].index_select(0, flat)                                    # [Bd*nb, bs, KVH, D]
+    v = cache[1].index_select(0, flat)
+    k = k.view(bd, nb * block_size, kv_heads, head_dim).transpose(1, 2)   # [Bd, KVH, L, D]
+    v = v.view(bd, nb * block_size, kv_heads, head_dim).transpose(1, 2)
     qd = q[group.rows].unsqueeze(2)                                       # [Bd, H, 1, D]
     o = F.scaled_dot_product_attention(qd, k, v, attn_mask=group.mask, scale=scale,
                                        enable_gqa=True)                   # [Bd, H, 1, D]

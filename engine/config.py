@@ -108,6 +108,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     max_model_len: int = 0               # 0: the model's max_position_embeddings
+    long_prefill_tokens: int = 0         # chunk cap while others wait; 0: a quarter of the budget
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -118,8 +119,12 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
-        if self.num_blocks < 0 or self.max_model_len < 0:
-            raise ValueError("num_blocks and max_model_len must be >= 0")
+        if self.num_blocks < 0 or self.max_model_len < 0 or self.long_prefill_tokens < 0:
+            raise ValueError("num_blocks, max_model_len and long_prefill_tokens must be >= 0")
+
+    @property
+    def long_prefill_cap(self) -> int:
+        return self.long_prefill_tokens or max(self.max_num_batched_tokens // 4, 1)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -106,12 +106,22 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and their token counts; allocate their blocks.
+
+        Decoding requests (one token to go) come first, then prompt chunks, oldest first. While
+        requests wait, one prompt chunk takes at most `long_prefill_tokens`, so a short prompt
+        queued behind a long one joins within a step instead of after the whole long prompt.
+        """
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+        cap = self.cfg.long_prefill_cap if self.waiting else budget
+        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for req in order:
+            if budget <= 0:
+                break
+            if req.status is not Status.RUNNING:
+                continue                          # preempted earlier in this step
+            n = min(req.num_tokens - req.num_computed_tokens, budget, cap)
             while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -119,22 +129,27 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status is not Status.RUNNING:
-                break                             # req preempted itself: nothing else fits
-            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
+                continue                          # req preempted itself: nothing fits for it
+            out.scheduled.append(self._scheduled(req, n))
             budget -= n
-            i += 1
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs \
                 and not out.preempted:
             req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if len(self.waiting) > 1:
+                n = min(n, cap)
             if self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens))
+            out.scheduled.append(self._scheduled(req, n))
             budget -= n
         return out
+
+    @staticmethod
+    def _scheduled(req: Request, n: int) -> ScheduledRequest:
+        return ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -12,9 +12,10 @@ from engine.scheduler import Scheduler
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
 
 
-def make(num_blocks=8, block_size=4, budget=8, max_seqs=4, role="decode"):
+def make(num_blocks=8, block_size=4, budget=8, max_seqs=4, role="decode", cap=0):
     cfg = EngineConfig(role=role, block_size=block_size, num_blocks=num_blocks,
-                       max_num_batched_tokens=budget, max_num_seqs=max_seqs)
+                       max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                       long_prefill_tokens=cap or budget)
     kv = KVCacheManager(BlockPool(num_blocks), block_size)
     return Scheduler(cfg, kv, eos_token_ids=(0,), max_model_len=64), kv
 
@@ -55,13 +56,30 @@ def test_chunked_prefill_respects_budget_and_block_ids():
 def test_long_prompt_spans_steps_and_shares_the_last_one():
     s, _ = make(num_blocks=16, budget=8)
     s.add(Request("long", list(range(1, 31)), GREEDY))
-    s.add(Request("short", [1, 2], GREEDY))
     steps = []
     for _ in range(4):
         out = s.schedule()
         steps.append([(x.request.request_id, x.num_new_tokens) for x in out.scheduled])
         s.update(out, [3] * sum(x.sample for x in out.scheduled), [None] * 2)
+        if len(steps) == 3:
+            s.add(Request("short", [1, 2], GREEDY))
     assert steps == [[("long", 8)], [("long", 8)], [("long", 8)], [("long", 6), ("short", 2)]]
+
+
+def test_short_prompt_is_not_held_behind_a_long_one():
+    s, _ = make(num_blocks=16, budget=8, cap=2)
+    s.add(Request("long", list(range(1, 31)), GREEDY))
+    s.add(Request("short", [1, 2], GREEDY))
+    steps = []
+    for _ in range(3):
+        out = s.schedule()
+        steps.append([(x.request.request_id, x.num_new_tokens, x.sample) for x in out.scheduled])
+        s.update(out, [3] * sum(x.sample for x in out.scheduled), [None] * 2)
+    # while the short one waits, the long chunk is capped; then decodes go first, the long
+    # prompt takes the rest of the budget
+    assert steps == [[("long", 2, False), ("short", 2, True)],
+                     [("short", 1, True), ("long", 7, False)],
+                     [("short", 1, True), ("long", 7, False)]]
 
 
 def test_eos_and_length_finish_and_free():
