@@ -23,8 +23,10 @@ log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, on_step: Callable | None = None) -> None:
+        """on_step(StepStats) is called on the engine thread after every step."""
         self.engine = engine
+        self.on_step = on_step
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cmds: queue.Queue = queue.Queue()
         self._streams: dict[str, asyncio.Queue] = {}
@@ -178,6 +180,8 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
+                if self.on_step is not None and self.engine.last_step is not None:
+                    self.on_step(self.engine.last_step)
             except Exception as exc:  # a bug must not hang every request: fail them loudly
                 log.exception("engine step failed")
                 outputs = self._fail_all(f"engine step failed: {exc}")

@@ -6,6 +6,7 @@ Not thread-safe: one thread owns an Engine (see engine.async_engine for the thre
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -40,6 +41,18 @@ class EngineStats:
     preemptions: int = 0
 
 
+@dataclass(frozen=True)
+class StepStats:
+    """What one engine step did."""
+
+    num_seqs: int
+    num_tokens: int
+    num_prompt_tokens: int       # tokens of prompt chunks (prefill work) in the step
+    num_generated: int           # tokens sampled in the step
+    num_preempted: int
+    duration_s: float
+
+
 class Engine:
     def __init__(self, model_dir: str | Path, cfg: EngineConfig,
                  model_cfg: ModelConfig | None = None, model: torch.nn.Module | None = None):
@@ -60,6 +73,7 @@ class Engine:
         self.kv_manager = KVCacheManager(self.pool, cfg.block_size)
         self.scheduler = Scheduler(cfg, self.kv_manager, m.eos_token_ids, cfg.max_model_len)
         self.stats = EngineStats()
+        self.last_step: StepStats | None = None
 
     # ------------------------------------------------------------------ requests
     def check_fits(self, req: Request) -> None:
@@ -99,10 +113,15 @@ class Engine:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         self.stats.preemptions += len(sched.preempted)
         if not sched.scheduled:
+            self.last_step = StepStats(0, 0, 0, 0, len(sched.preempted), 0.0)
             return []
+        prompt = sum(min(s.num_new_tokens, max(s.request.num_prompt_tokens
+                                               - s.request.num_computed_tokens, 0))
+                     for s in sched.scheduled)
         input_ids, positions, meta, sample_rows = self._prepare(sched)
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, self.kv, meta)          # [T, hidden]
@@ -112,7 +131,10 @@ class Engine:
                                   [len(r.output_token_ids) for r in reqs])
         self.stats.steps += 1
         self.stats.tokens += sched.num_tokens
-        return self.scheduler.update(sched, tokens, logprobs)
+        outputs = self.scheduler.update(sched, tokens, logprobs)
+        self.last_step = StepStats(len(sched.scheduled), sched.num_tokens, prompt, len(tokens),
+                                   len(sched.preempted), time.perf_counter() - t0)
+        return outputs
 
     def _prepare(self, sched: SchedulerOutput):
         """Flatten the scheduled requests into the step's inputs: token ids [T], positions [T],

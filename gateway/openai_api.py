@@ -4,6 +4,7 @@
     POST /v1/chat/completions   messages rendered with the model's chat template
     GET  /v1/models             the served model
     GET  /health                200 while the app is up, with worker counts
+    GET  /metrics               Prometheus text: TTFT, inter-token and end-to-end latency, ...
 
 Errors are OpenAI error bodies (see errors.GatewayError). A streaming request is primed: the
 first Delta is awaited before the 200 is sent, so "no worker" and prefill failures still get a
@@ -187,6 +188,11 @@ def create_app(preparer: RequestPreparer, pipeline: Pipeline, router: Router) ->
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest):
         return await server.handle(request, body)
+
+    @app.get("/metrics")
+    async def metrics():
+        body, content_type = pipeline.metrics.exposition()
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def models():

@@ -12,7 +12,9 @@ stream and an unfinished Prefill call, so both workers free the request's blocks
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -22,6 +24,7 @@ from gateway.errors import GatewayError
 from gateway.params import PreparedRequest
 from gateway.router import Router
 from gateway.tokenizer import Tokenizer
+from pdserve.metrics import GatewayMetrics
 from pdserve.registry import WorkerInfo
 from proto import pdserve_pb2, pdserve_pb2_grpc
 
@@ -129,6 +132,31 @@ class _RequestText:
         return Delta(ids, text, logprobs, finish, self._count)
 
 
+class _LatencyTimer:
+    """Feeds one request's TTFT, inter-token gaps and end-to-end time to the metrics."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.m = metrics
+        self.start = self.last = time.perf_counter()
+        self.first = True
+
+    def delta(self, d: Delta) -> None:
+        now = time.perf_counter()
+        if d.token_ids:
+            if self.first:
+                self.m.ttft.observe(now - self.start)
+                self.first = False
+            else:
+                self.m.itl.observe(now - self.last)
+            for _ in d.token_ids[1:]:          # tokens that arrived together reach the client together
+                self.m.itl.observe(0.0)
+            self.m.generated.inc(len(d.token_ids))
+            self.last = now
+        if d.finish_reason:
+            self.m.e2e.observe(now - self.start)
+            self.m.finished.labels(reason=d.finish_reason).inc()
+
+
 def _worker_error(what: str, worker: WorkerInfo, exc: grpc.aio.AioRpcError) -> GatewayError:
     code = exc.code()
     message = f"{what} worker {worker.id} at {worker.address} failed: {code.name}: {exc.details()}"
@@ -145,10 +173,12 @@ class Pipeline:
     """Runs prepared requests on the workers the router picks. Stateless between requests."""
 
     def __init__(self, router: Router, tokenizer: Tokenizer,
-                 config: PipelineConfig = PipelineConfig()) -> None:
+                 config: PipelineConfig = PipelineConfig(),
+                 metrics: GatewayMetrics | None = None) -> None:
         self.router = router
         self.tokenizer = tokenizer
         self.config = config
+        self.metrics = metrics or GatewayMetrics()
 
     async def generate(self, prepared: PreparedRequest) -> AsyncIterator[Delta]:
         """Yield the request's Deltas; the last one has finish_reason set.
@@ -157,6 +187,22 @@ class Pipeline:
         other worker failures. Closing or cancelling the iterator aborts the request on both
         workers. Consume it with `contextlib.aclosing` so that happens promptly.
         """
+        m = self.metrics
+        m.in_flight.inc()
+        m.prompt_tokens.inc(len(prepared.prompt_token_ids))
+        timer = _LatencyTimer(m)
+        try:
+            async with contextlib.aclosing(self._generate(prepared)) as deltas:
+                async for delta in deltas:      # closing us closes the inner stream now
+                    timer.delta(delta)
+                    yield delta
+        except GatewayError as exc:
+            m.failed.labels(status=str(exc.status)).inc()
+            raise
+        finally:
+            m.in_flight.dec()
+
+    async def _generate(self, prepared: PreparedRequest) -> AsyncIterator[Delta]:
         prefill_w, decode_w = await self.router.pick_pair()
         with self.router.track(prefill_w, decode_w):
             decode = pdserve_pb2_grpc.DecodeWorkerStub(self.router.channel(decode_w.address))

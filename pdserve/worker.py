@@ -78,10 +78,9 @@ async def serve(args, role: str, add_services: Callable) -> None:
     """
     from engine.async_engine import AsyncEngine
 
-    engine, model_dir = build_engine(args, role)
-    aengine = AsyncEngine(engine)
-    aengine.start()
+    from pdserve.metrics import WorkerMetrics
 
+    engine, model_dir = build_engine(args, role)
     server = grpc.aio.server(options=SERVER_OPTIONS)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     if port == 0:
@@ -89,6 +88,12 @@ async def serve(args, role: str, add_services: Callable) -> None:
     host = args.advertise_host or args.host
     ident = WorkerIdentity(args.worker_id or f"{role}-{host}-{port}", f"{host}:{port}",
                            args.served_model_name or model_dir.name)
+    metrics = WorkerMetrics(role, ident.id, engine.pool.num_blocks, lambda: aengine.load())
+    aengine = AsyncEngine(engine, on_step=metrics.on_step)
+    aengine.start()
+    metrics_port = args.metrics_port if args.metrics_port is not None else port + 100
+    if metrics_port > 0:
+        metrics.serve(args.host, metrics_port)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     closer = add_services(server, aengine, ident)
@@ -103,7 +108,8 @@ async def serve(args, role: str, add_services: Callable) -> None:
     reg = WorkerRegistration(args.redis_url, info, load=aengine.load)
     reg.start()
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
-    log.info("%s worker %s serving on %s", role, ident.id, ident.address)
+    log.info("%s worker %s serving on %s, metrics on http://%s:%d/metrics", role, ident.id,
+             ident.address, args.host, metrics_port)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -84,12 +84,14 @@ class Stack:
         return p
 
     def start_worker(self, role: str, *extra: str, name: str | None = None) -> Proc:
-        port = free_port()
+        port, metrics_port = free_port(), free_port()
         name = name or f"{role}-{port}"
         p = self._spawn(name, [sys.executable, "-m", "pdserve.cli", role, "--model", self.model,
-                               "--port", str(port), "--redis-url", self.redis_url,
+                               "--port", str(port), "--metrics-port", str(metrics_port),
+                               "--redis-url", self.redis_url,
                                "--threads", "1", "--kv-cache-gib", "0.25", *extra],
                         f"127.0.0.1:{port}")
+        p.metrics = f"http://127.0.0.1:{metrics_port}/metrics"
         return p
 
     def start_gateway(self, *extra: str) -> Proc:

@@ -301,3 +301,25 @@ def test_client_disconnect_frees_request_on_every_worker(stack, http):
         assert time.monotonic() < deadline, (worker_stats(stack, "prefill"),
                                              worker_stats(stack, "decode"))
         time.sleep(0.2)
+
+
+def test_metrics_endpoints(stack, http):
+    http.post("/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": PLAIN[0],
+                                       "max_tokens": 4, "temperature": 0})
+    text = http.get("/metrics").text
+    for name in ("pdserve_time_to_first_token_seconds_count", "pdserve_inter_token_latency_seconds",
+                 "pdserve_e2e_request_latency_seconds_count", "pdserve_requests_in_flight"):
+        assert name in text, name
+    ttft_count = next(float(line.split()[-1]) for line in text.splitlines()
+                      if line.startswith("pdserve_time_to_first_token_seconds_count"))
+    assert ttft_count >= 1
+    for role in ("prefill", "decode"):
+        worker = next(p for p in stack.procs if p.name == role)
+        body = httpx.get(worker.metrics, timeout=10).text
+        for name in ("pdserve_requests_running", "pdserve_requests_waiting",
+                     "pdserve_kv_usage_ratio", "pdserve_engine_steps_total",
+                     "pdserve_step_batch_sequences_bucket", "pdserve_step_batch_tokens_bucket"):
+            assert name in body, (role, name)
+        steps = next(float(line.split()[-1]) for line in body.splitlines()
+                     if line.startswith("pdserve_engine_steps_total"))
+        assert steps >= 1, role

@@ -1,0 +1,98 @@
+"""Prometheus metrics of the workers and the gateway (torch-free).
+
+Each process owns one CollectorRegistry (no global registry): workers expose theirs on
+`--metrics-port` (HTTP GET /metrics), the gateway on its REST port at GET /metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, start_http_server
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5,
+                   2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 2048, 4096)
+
+
+class WorkerMetrics:
+    """Engine metrics of one worker. `load` returns (running, waiting, free_blocks)."""
+
+    def __init__(self, role: str, worker_id: str, total_blocks: int,
+                 load: Callable[[], tuple[int, int, int]]) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"role": role, "worker": worker_id}
+        r = self.registry
+
+        def gauge(name, doc, fn):
+            g = Gauge(name, doc, list(labels), registry=r)
+            g.labels(**labels).set_function(fn)
+
+        gauge("pdserve_requests_running", "Requests in the running batch", lambda: load()[0])
+        gauge("pdserve_requests_waiting", "Requests queued (incl. waiting for blocks)",
+              lambda: load()[1])
+        gauge("pdserve_kv_blocks_total", "KV blocks in the pool", lambda: total_blocks)
+        gauge("pdserve_kv_blocks_free", "Free KV blocks", lambda: load()[2])
+        gauge("pdserve_kv_usage_ratio", "Fraction of KV blocks in use",
+              lambda: 1.0 - load()[2] / total_blocks)
+        self.steps = Counter("pdserve_engine_steps", "Engine steps", list(labels),
+                             registry=r).labels(**labels)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens_computed", "Prompt tokens computed",
+                                     list(labels), registry=r).labels(**labels)
+        self.generated = Counter("pdserve_generated_tokens", "Tokens sampled", list(labels),
+                                 registry=r).labels(**labels)
+        self.preemptions = Counter("pdserve_preemptions", "Requests preempted", list(labels),
+                                   registry=r).labels(**labels)
+        self.batch_seqs = Histogram("pdserve_step_batch_sequences", "Sequences per step",
+                                    list(labels), buckets=BATCH_BUCKETS,
+                                    registry=r).labels(**labels)
+        self.batch_tokens = Histogram("pdserve_step_batch_tokens", "Tokens per step",
+                                      list(labels), buckets=BATCH_BUCKETS,
+                                      registry=r).labels(**labels)
+        self.step_time = Histogram("pdserve_step_duration_seconds", "Engine step wall time",
+                                   list(labels), buckets=LATENCY_BUCKETS,
+                                   registry=r).labels(**labels)
+
+    def on_step(self, s) -> None:
+        """Called from the engine thread after every step with its engine.engine.StepStats
+        (prometheus_client is thread-safe)."""
+        self.steps.inc()
+        self.prompt_tokens.inc(s.num_prompt_tokens)
+        self.generated.inc(s.num_generated)
+        self.preemptions.inc(s.num_preempted)
+        self.batch_seqs.observe(s.num_seqs)
+        self.batch_tokens.observe(s.num_tokens)
+        self.step_time.observe(s.duration_s)
+
+    def serve(self, host: str, port: int) -> None:
+        """Expose GET /metrics on host:port from a daemon thread."""
+        start_http_server(port, addr=host, registry=self.registry)
+
+
+class GatewayMetrics:
+    """Request latencies as clients see them at the gateway."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds",
+                              "Time from request arrival to the first token", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("pdserve_inter_token_latency_seconds",
+                             "Time between successive tokens of a stream", buckets=LATENCY_BUCKETS,
+                             registry=r)
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds",
+                             "Time from request arrival to its last token", buckets=LATENCY_BUCKETS,
+                             registry=r)
+        self.finished = Counter("pdserve_requests_finished", "Requests by finish reason",
+                                ["reason"], registry=r)
+        self.failed = Counter("pdserve_requests_failed", "Requests that ended in an error",
+                              ["status"], registry=r)
+        self.prompt_tokens = Counter("pdserve_request_prompt_tokens", "Prompt tokens received",
+                                     registry=r)
+        self.generated = Counter("pdserve_request_generated_tokens", "Tokens sent to clients",
+                                 registry=r)
+        self.in_flight = Gauge("pdserve_requests_in_flight", "Requests being served", registry=r)
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
