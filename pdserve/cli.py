@@ -45,6 +45,9 @@ def _add_worker(p: argparse.ArgumentParser, role: str, port: int) -> None:
     p.add_argument("--max-model-len", type=int, default=0,
                    help="context length limit (0: the model's max_position_embeddings)")
     p.add_argument("--kv-transport", default="grpc", help="KV transport name (grpc)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="HTTP port of GET /metrics (Prometheus); default: gRPC port + 100; "
+                        "0 turns it off")
     p.add_argument("--log-level", default="INFO")
 
 

@@ -1,0 +1,43 @@
+# Local setup and the usual entry points. Everything lives in .venv inside the checkout.
+#   make serve   set up, fetch the model, start redis + prefill + decode + gateway
+#   make test    set up, fetch the model, run the test suite
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.pdserve-installed
+# Pinned and installed first: a bare `pip install torch` pulls a multi-GB CUDA build.
+TORCH ?= torch==2.13.0
+SUDO := $(shell [ "$$(id -u)" = 0 ] || ! command -v sudo >/dev/null || echo sudo)
+
+.PHONY: serve test setup proto fetch redis clean
+
+serve: setup redis
+	$(VENV)/bin/pdserve up
+
+test: setup redis
+	$(PY) -m pytest -q
+
+setup: proto fetch
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install $(TORCH)
+	$(PY) -m pip install -e '.[dev]'
+	touch $@
+
+proto: $(STAMP)
+	$(PY) -m proto.build
+
+fetch: $(STAMP)
+	$(VENV)/bin/pdserve model fetch
+
+redis:
+	@command -v redis-server >/dev/null || $(SUDO) apt-get install -y redis-server \
+		|| { $(SUDO) apt-get update && $(SUDO) apt-get install -y redis-server; }
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache proto/*_pb2.py proto/*_pb2_grpc.py proto/*_pb2.pyi
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,56 @@
+"""Liveness probes shared by `pdserve up` and the container healthchecks.
+
+Workers answer the standard gRPC health service (`grpc.health.v1.Health/Check`, service "");
+the gateway answers `GET /health` with 200. Torch-free.
+
+    python -m pdserve.health grpc 127.0.0.1:50061      # exit 0 when SERVING
+    python -m pdserve.health http http://127.0.0.1:8000/health
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.error
+import urllib.request
+
+
+def grpc_serving(address: str, timeout_s: float = 2.0) -> bool:
+    """True when the gRPC server at host:port reports SERVING for the overall service ("")."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def http_json(url: str, timeout_s: float = 2.0) -> dict | None:
+    """The JSON body of GET url when it answers 200, else None."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return json.loads(resp.read()) if resp.status == 200 else None
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    """True when GET url answers 200 with a JSON body."""
+    return http_json(url, timeout_s) is not None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2 or argv[0] not in ("grpc", "http"):
+        print("usage: python -m pdserve.health grpc HOST:PORT | http URL", file=sys.stderr)
+        return 2
+    ok = grpc_serving(argv[1]) if argv[0] == "grpc" else http_ok(argv[1])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

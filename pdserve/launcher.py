@@ -1,0 +1,217 @@
+"""`pdserve up`: the local stack as separate processes.
+
+    redis-server (unless --redis-url)  ->  prefill and decode workers (in parallel)  ->  gateway
+
+Each child is started with `python -m pdserve.cli <role> ...` and waited on until it is healthy
+(workers: the gRPC health service; gateway: GET /health lists both workers). Ctrl-C or SIGTERM
+stops them all, newest first (SIGTERM, then SIGKILL after a grace period), and exits 0; a child
+that dies on its own stops the rest and exits 1. On Linux the kernel sends children SIGTERM if
+this process dies without cleaning up.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from pdserve import health
+from pdserve.paths import default_model_dir, resolve_model
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 300.0  # a worker loads the model and sizes its KV pool before it serves
+STOP_GRACE_S = 10.0
+POLL_S = 0.5
+
+
+class _Stop(Exception):
+    """Raised by the SIGINT/SIGTERM handler to unwind into the shutdown path."""
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: ask the kernel to SIGTERM it when the launcher dies."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    healthy: Callable[[], bool]
+
+
+@dataclass
+class Stack:
+    """The processes started so far, in start order."""
+
+    children: list[Child] = field(default_factory=list)
+    tmpdir: Path | None = None
+
+    def spawn(self, name: str, cmd: list[str], healthy: Callable[[], bool], **popen) -> Child:
+        log.info("starting %s: %s", name, " ".join(cmd))
+        # Own session: a terminal's Ctrl-C reaches only the launcher, which stops children in order.
+        proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent, **popen)
+        child = Child(name, proc, healthy)
+        self.children.append(child)
+        return child
+
+    def wait_healthy(self, child: Child, timeout_s: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not child.healthy():
+            code = child.proc.poll()
+            if code is not None:
+                raise SystemExit(f"{child.name} exited with code {code} before it became healthy "
+                                 "(see its log above)")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{child.name} not healthy after {timeout_s:.0f}s")
+            time.sleep(POLL_S)
+        log.info("%s is healthy (pid %d)", child.name, child.proc.pid)
+
+    def first_dead(self) -> Child | None:
+        return next((c for c in self.children if c.proc.poll() is not None), None)
+
+    def stop(self) -> None:
+        """Stop children newest first (gateway, workers, then redis, which workers deregister
+        from): SIGTERM, then SIGKILL if one is still running after the grace period."""
+        for child in reversed(self.children):
+            if child.proc.poll() is not None:
+                continue
+            log.info("stopping %s (pid %d)", child.name, child.proc.pid)
+            child.proc.terminate()
+            try:
+                child.proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.0fs, killing it", child.name, STOP_GRACE_S)
+                child.proc.kill()
+                child.proc.wait()
+        if self.tmpdir is not None:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def _ensure_model(model: str | None) -> Path:
+    if model is None:
+        from pdserve import modelfetch
+
+        if not modelfetch.is_complete(default_model_dir()):
+            log.info("default model not found, fetching it first")
+            modelfetch.fetch(default_model_dir())
+    return resolve_model(model)
+
+
+def _start_redis(stack: Stack, port: int) -> str:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise SystemExit("redis-server is not installed: `apt-get install redis-server` "
+                         "(or pass --redis-url to use a running Redis)")
+    import redis
+
+    url = f"redis://127.0.0.1:{port}/0"
+    stack.tmpdir = Path(tempfile.mkdtemp(prefix="pdserve-redis-"))
+    logfile = stack.tmpdir / "redis.log"
+
+    def ping() -> bool:
+        try:
+            with redis.Redis.from_url(url, socket_timeout=1) as client:
+                return bool(client.ping())
+        except redis.RedisError:
+            return False
+
+    if ping():
+        raise SystemExit(f"something already answers on port {port}: stop it, pick another "
+                         "--redis-port, or pass --redis-url to use it")
+    cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+           "--dir", str(stack.tmpdir), "--logfile", str(logfile)]
+    child = stack.spawn("redis", cmd, ping, stdin=subprocess.DEVNULL)
+    try:
+        stack.wait_healthy(child, timeout_s=20.0)
+    except SystemExit as exc:
+        tail = logfile.read_text()[-2000:] if logfile.exists() else ""
+        raise SystemExit(f"{exc}\nredis log:\n{tail}") from None
+    return url
+
+
+def _common(args, model: Path) -> list[str]:
+    out = ["--model", str(model), "--log-level", args.log_level]
+    if args.served_model_name:
+        out += ["--served-model-name", args.served_model_name]
+    return out
+
+
+def _start_all(args, stack: Stack) -> tuple[Path, str]:
+    model = _ensure_model(args.model)
+    redis_url = args.redis_url or _start_redis(stack, args.redis_port)
+    cli = [sys.executable, "-m", "pdserve.cli"]
+    workers = []
+    for role, port in (("prefill", args.prefill_port), ("decode", args.decode_port)):
+        cmd = cli + [role, *_common(args, model), "--port", str(port), "--redis-url", redis_url,
+                     "--threads", str(args.threads), "--dtype", args.dtype,
+                     "--kv-cache-gib", str(args.kv_cache_gib)]
+        addr = f"127.0.0.1:{port}"
+        workers.append(stack.spawn(role, cmd, lambda a=addr: health.grpc_serving(a)))
+    for worker in workers:  # both load the model at the same time
+        stack.wait_healthy(worker)
+    cmd = cli + ["gateway", *_common(args, model), "--http-port", str(args.http_port),
+                 "--grpc-port", str(args.grpc_port), "--redis-url", redis_url]
+    url = f"http://127.0.0.1:{args.http_port}/health"
+    stack.wait_healthy(stack.spawn("gateway", cmd, lambda: _gateway_sees_workers(url)))
+    return model, redis_url
+
+
+def _gateway_sees_workers(url: str) -> bool:
+    """GET /health is 200 and the gateway has found a prefill and a decode worker in Redis."""
+    workers = (health.http_json(url) or {}).get("workers", {})
+    return workers.get("prefill", 0) >= 1 and workers.get("decode", 0) >= 1
+
+
+def _banner(args, model: Path, redis_url: str) -> str:
+    name = args.served_model_name or model.name
+    base = f"http://127.0.0.1:{args.http_port}"
+    return f"""
+pdserve is up: {name}
+  REST (OpenAI-compatible)  {base}/v1
+  gRPC (pdserve.v1.Generation)  127.0.0.1:{args.grpc_port}
+  workers  prefill 127.0.0.1:{args.prefill_port}, decode 127.0.0.1:{args.decode_port}
+  redis    {redis_url}
+
+Try it:
+  curl -N {base}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello!"}}], "stream": true, "max_tokens": 64}}'
+  curl {base}/v1/models
+
+Ctrl-C stops everything.
+"""
+
+
+def main(args) -> int:
+    def on_signal(signum, frame):
+        raise _Stop()
+
+    # Set both explicitly: a shell starts background jobs with SIGINT ignored.
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    stack = Stack()
+    try:
+        model, redis_url = _start_all(args, stack)
+        print(_banner(args, model, redis_url), flush=True)
+        while (dead := stack.first_dead()) is None:
+            time.sleep(POLL_S)
+        log.error("%s exited with code %s; stopping the stack", dead.name, dead.proc.returncode)
+        return 1
+    except _Stop:
+        log.info("shutting down")
+        return 0
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stack.stop()
