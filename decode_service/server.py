@@ -18,7 +18,7 @@ from engine.engine import KVLayout
 from engine.request import Request, RequestOutput, TokenLogprob
 from kvtransfer import TransferTarget, create_receiver
 from kvtransfer.wire import logprob_to_pb, target_to_pb
-from pdserve.worker import WorkerIdentity, sampling_from_pb, serve
+from pdserve.worker import WorkerIdentity, sampling_from_pb, serve, worker_stats
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
@@ -102,9 +102,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         return pb.AbortReply(found=await self.aengine.abort(request.request_id))
 
     async def Stats(self, request, context):
-        running, waiting, free = self.aengine.load()
-        return pb.WorkerStats(running=running, waiting=waiting, free_blocks=free,
-                              total_blocks=self.aengine.engine.pool.num_blocks)
+        return worker_stats(self.aengine)
 
     async def close(self) -> None:
         await self.receiver.close()

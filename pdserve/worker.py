@@ -70,6 +70,15 @@ def sampling_from_pb(p) -> "SamplingParams":
                           logprobs=p.logprobs or p.top_logprobs > 0, top_logprobs=p.top_logprobs)
 
 
+def worker_stats(aengine):
+    """The Stats RPC's answer for a worker's engine."""
+    from proto import pdserve_pb2 as pb
+
+    running, waiting, free = aengine.load()
+    return pb.WorkerStats(running=running, waiting=waiting, free_blocks=free,
+                          total_blocks=aengine.engine.pool.num_blocks)
+
+
 async def serve(args, role: str, add_services: Callable) -> None:
     """Run one worker until SIGINT/SIGTERM.
 

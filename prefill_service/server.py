@@ -17,7 +17,7 @@ from engine.async_engine import AsyncEngine
 from engine.request import Request
 from kvtransfer import KVTransferError, LayoutMismatch, check_layout, create_sender
 from kvtransfer.wire import target_from_pb
-from pdserve.worker import WorkerIdentity, sampling_from_pb, serve
+from pdserve.worker import WorkerIdentity, sampling_from_pb, serve, worker_stats
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
@@ -73,9 +73,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         return pb.AbortReply(found=await self.aengine.abort(request.request_id))
 
     async def Stats(self, request, context):
-        running, waiting, free = self.aengine.load()
-        return pb.WorkerStats(running=running, waiting=waiting, free_blocks=free,
-                              total_blocks=self.aengine.engine.pool.num_blocks)
+        return worker_stats(self.aengine)
 
     async def close(self) -> None:
         await self.sender.close()

@@ -6,6 +6,7 @@ is killed at the end. Workers get one torch thread each (two cores run everythin
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -125,6 +126,24 @@ class Stack:
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.log.read_text()[-2000:]}" for p in self.procs)
+
+
+@contextlib.contextmanager
+def standard_stack(model_dir, workdir: Path):
+    """redis + one prefill + one decode + the gateway, healthy; logs printed if startup fails."""
+    s = Stack(str(model_dir), workdir)
+    try:
+        s.start_redis()
+        s.start_worker("prefill", name="prefill")
+        s.start_worker("decode", name="decode")
+        s.start_gateway()
+        s.wait_healthy()
+        yield s
+    except BaseException:
+        print(s.logs())
+        raise
+    finally:
+        s.stop()
 
 
 def _tcp_open(port: int) -> bool:

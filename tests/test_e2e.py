@@ -15,7 +15,7 @@ import torch
 
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from tests.stack import Stack
+from tests.stack import standard_stack
 
 pytestmark = pytest.mark.slow
 
@@ -31,19 +31,8 @@ NEW = 40
 
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory):
-    s = Stack(str(model_dir), tmp_path_factory.mktemp("stack"))
-    try:
-        s.start_redis()
-        s.start_worker("prefill", name="prefill")
-        s.start_worker("decode", name="decode")
-        s.start_gateway()
-        s.wait_healthy()
+    with standard_stack(model_dir, tmp_path_factory.mktemp("stack")) as s:
         yield s
-    except BaseException:
-        print(s.logs())
-        raise
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")
