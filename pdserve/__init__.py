@@ -1,6 +1,6 @@
 """pdserve: disaggregated prefill/decode LLM serving.
 
-This package holds what every process shares and that must stay torch-free: the command line,
+This package holds what every process shares: the command line,
 the local launcher, model fetching, and the Redis worker registry.
 """
 

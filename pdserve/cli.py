@@ -51,6 +51,127 @@ def _add_worker(p: argparse.ArgumentParser, role: str, port: int) -> None:
     p.add_argument("--log-level", default="INFO")
 
 
+class _DefaultsFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the description's line breaks; appends "(default: X)" to an option's help unless X
+    is None/False or the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or "default" in text or action.default is None
+                or action.default is False or action.default == argparse.SUPPRESS):
+            return text
+        return text + " (default: %(default)s)"
+
+
+def _add_bench(sub) -> None:
+    bench = sub.add_parser(
+        "bench", help="load-test any OpenAI-compatible server (pdserve, vLLM, the HF baseline)",
+        formatter_class=_DefaultsFormatter,
+        description="Load generator for any OpenAI-compatible server: POST /v1/completions with\n"
+                    "stream=true, stream_options.include_usage and ignore_eos. Prompts are random\n"
+                    "token ids decoded to text whose re-encoding has exactly the requested length\n"
+                    "(same seed, same prompts on every server). Reports TTFT, TPOT, ITL and E2E\n"
+                    "percentiles, request/token throughput and goodput under SLOs; --out writes\n"
+                    "JSON (summaries and per-request numbers) and a PNG beside it.",
+        epilog="examples:\n"
+               "  pdserve bench --base-url http://127.0.0.1:8000 --concurrency 1,4,16 "
+               "--num-prompts 32 --out ours.json\n"
+               "  pdserve bench --workload long-burst --concurrency 8 --long-len 2000 "
+               "--long-rate 0.2 --slo-tpot-ms 200\n"
+               "  pdserve bench compare ours.json vllm.json")
+    target = bench.add_argument_group("target")
+    target.add_argument("--base-url", default="http://127.0.0.1:8000",
+                        help="server root; requests go to BASE_URL/v1/completions")
+    target.add_argument("--model", default=None,
+                        help="model name to send (default: the first id of GET /v1/models)")
+    target.add_argument("--tokenizer", default=None,
+                        help="model folder with tokenizer.json, to build exact-length prompts "
+                             f"(default: {default_model_dir()})")
+    target.add_argument("--prompt-format", choices=["text", "ids"], default="text",
+                        help="send prompts as text (works everywhere) or as token-id lists")
+    target.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
+    target.add_argument("--extra-body", default=None,
+                        help="JSON object merged into every request body, e.g. '{\"top_k\": 1}'")
+    target.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    load = bench.add_argument_group("load")
+    load.add_argument("--workload", choices=["random", "shared-prefix", "long-burst"],
+                      default="random",
+                      help="random: --num-prompts prompts of --input-len tokens; shared-prefix: "
+                           "--num-groups x --users-per-group prompts, each group sharing "
+                           "--prefix-len tokens; long-burst: random short chats plus long prompts "
+                           "arriving at --long-rate, reported separately")
+    load.add_argument("--num-prompts", type=int, default=64,
+                      help="requests per run (random and long-burst's short chats)")
+    load.add_argument("--input-len", type=int, default=256, help="prompt tokens (random)")
+    load.add_argument("--output-len", type=int, default=64, help="max_tokens of every request")
+    load.add_argument("--concurrency", default=None, metavar="N[,N...]",
+                      help="closed loop: requests in flight; a comma list (1,4,16,64) sweeps "
+                           "(default 16 unless --request-rate)")
+    load.add_argument("--request-rate", default=None, metavar="RATE[,RATE...]",
+                      help="open loop: Poisson arrivals in requests/s ('inf': all at once); "
+                           "a comma list sweeps")
+    load.add_argument("--warmup", type=int, default=1,
+                      help="unmeasured requests sent one by one before the first run")
+    load.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
+    sp = bench.add_argument_group("shared-prefix workload")
+    sp.add_argument("--num-groups", type=int, default=4, help="distinct shared prefixes")
+    sp.add_argument("--users-per-group", type=int, default=8, help="requests per prefix")
+    sp.add_argument("--prefix-len", type=int, default=512, help="shared prefix tokens")
+    sp.add_argument("--question-len", type=int, default=64,
+                    help="tokens after the prefix, distinct per request")
+    lb = bench.add_argument_group("long-burst workload")
+    lb.add_argument("--long-len", type=int, default=2000, help="tokens of a long prompt")
+    lb.add_argument("--long-rate", type=float, default=0.2,
+                    help="Poisson arrivals of long prompts in requests/s")
+    lb.add_argument("--num-long", type=int, default=0,
+                    help="at most this many long prompts (0: 32); arrivals stop when the "
+                         "short chats finish")
+    out = bench.add_argument_group("report")
+    out.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput SLO on TTFT")
+    out.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput SLO on TPOT")
+    out.add_argument("--slo-e2e-ms", type=float, default=None, help="goodput SLO on E2E latency")
+    out.add_argument("--label", default=None, help="name of this run in tables and plots")
+    out.add_argument("--out", default=None,
+                     help="JSON file: config, per-run summaries, per-request numbers")
+    out.add_argument("--plot", default=None,
+                     help="PNG of latency CDFs (and sweep curves); default: --out with .png")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.set_defaults(target="pdserve.bench.runner:main")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{compare}")
+    compare = bench_sub.add_parser(
+        "compare", help="side-by-side table of bench JSON files with ratios",
+        description="Print the summaries of several `pdserve bench --out` files side by side. "
+                    "Runs are matched by workload point (concurrency or rate, request kind); "
+                    "ratio columns give FIRST / OTHER (throughput > 1 and latency < 1 mean the "
+                    "first file is better).")
+    compare.add_argument("files", nargs="+", help="JSON files; the first is the reference")
+    compare.set_defaults(target="pdserve.bench.report:compare_main")
+
+
+def _add_baseline(sub) -> None:
+    baseline = sub.add_parser("baseline", help="reference servers to measure pdserve against",
+                              description="Reference servers with the same REST API as ours.")
+    kinds = baseline.add_subparsers(dest="baseline_command", required=True, metavar="KIND")
+    hf = kinds.add_parser(
+        "hf", help="HF transformers with static batching",
+        formatter_class=_DefaultsFormatter,
+        description="Serve an HF model with STATIC batching behind /v1/completions (streaming,\n"
+                    "usage, ignore_eos, temperature), /v1/models and /health: a batch of up to\n"
+                    "--batch-size requests gathered within --batch-wait-ms runs to completion\n"
+                    "before the next batch starts.")
+    _add_model(hf)
+    hf.add_argument("--host", default="127.0.0.1", help="address to bind")
+    hf.add_argument("--port", type=int, default=8100, help="HTTP port")
+    hf.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="weights dtype")
+    hf.add_argument("--batch-size", type=int, default=16, help="most requests in one batch")
+    hf.add_argument("--batch-wait-ms", type=float, default=50.0,
+                    help="how long the batch former waits for more requests")
+    hf.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    hf.add_argument("--log-level", default="INFO")
+    hf.set_defaults(target="pdserve.baseline_hf:main")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
@@ -108,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "with continuous batching.")
     _add_worker(dc, "decode", 50071)
     dc.set_defaults(target="decode_service.server:main")
+
+    _add_bench(sub)
+    _add_baseline(sub)
     return parser
 
 
