@@ -123,9 +123,13 @@ class Scheduler:
                 continue                          # preempted earlier in this step
             n = min(req.num_tokens - req.num_computed_tokens, budget, cap)
             while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
-                victim = self.running[-1]
+                victim = self.running[-1]           # the newest request gives way
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
+                for j, s in enumerate(out.scheduled):   # already placed in this step: undo
+                    if s.request is victim:
+                        budget += out.scheduled.pop(j).num_new_tokens
+                        break
                 if victim is req:
                     break
             if req.status is not Status.RUNNING:

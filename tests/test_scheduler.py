@@ -143,3 +143,18 @@ def test_remote_reservation_refused_when_full_and_first_token_can_finish():
     s.reserve_remote(req)
     assert s.remote_ready("one", 5, None).finish_reason == "length"
     assert kv.pool.num_free == 2
+
+
+def test_preempting_a_request_already_placed_in_the_step_undoes_it():
+    s, kv = make(num_blocks=2, block_size=4, budget=8, cap=4)
+    a = Request("a", list(range(1, 9)), GREEDY)           # 8 tokens, chunked
+    c = Request("c", [5, 6, 7], GREEDY)
+    s.add(a)
+    s.add(c)
+    out = s.schedule()
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 4), ("c", 3)]
+    s.update(out, [9], [None])
+    out = s.schedule()      # c decodes first (fits block 1), then a needs a block: c gives way
+    assert out.preempted == ["c"]
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 4)]
+    assert kv.block_table("a") == [0, 1] and kv.block_table("c") == []
