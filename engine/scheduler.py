@@ -68,7 +68,8 @@ class Scheduler:
 
     def remote_ready(self, request_id: str, first_token: int,
                      logprob: TokenLogprob | None) -> RequestOutput | None:
-        """The prompt's KV has arrived with the first token: the request joins the batch."""
+        """The prompt's KV has arrived with the first token: the request joins the batch, or the
+        queue (keeping its blocks) when the batch already has max_num_seqs sequences."""
         req = self.remote.pop(request_id, None)
         if req is None:
             return None                          # aborted meanwhile
@@ -77,9 +78,12 @@ class Scheduler:
         out = self._check_finish(req, [first_token], [logprob] if logprob else [])
         if req.finished:
             self.kv.free(req.request_id)
-        else:
+        elif len(self.running) < self.cfg.max_num_seqs:
             req.status = Status.RUNNING
             self.running.append(req)
+        else:
+            req.status = Status.WAITING
+            self.waiting.append(req)
         return out
 
     def abort(self, request_id: str) -> bool:

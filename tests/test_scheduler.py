@@ -158,3 +158,18 @@ def test_preempting_a_request_already_placed_in_the_step_undoes_it():
     assert out.preempted == ["c"]
     assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 4)]
     assert kv.block_table("a") == [0, 1] and kv.block_table("c") == []
+
+
+def test_remote_requests_respect_the_running_limit():
+    s, kv = make(num_blocks=8, max_seqs=2)
+    reqs = [Request(str(i), [1, 2, 3], SamplingParams(temperature=0, max_tokens=4)) for i in range(3)]
+    for r in reqs:
+        assert s.reserve_remote(r) is not None
+        s.remote_ready(r.request_id, 7, None)
+    assert [r.request_id for r in s.running] == ["0", "1"] and s.waiting[0] is reqs[2]
+    out = s.schedule()
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("0", 1), ("1", 1)]
+    s.abort("0")
+    out = s.schedule()      # the queued one joins with its blocks and one token to compute
+    assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("1", 1), ("2", 1)]
+    assert kv.block_table("2") == [2]
