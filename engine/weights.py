@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
+from engine.linear import prepack_linears
 from engine.models import model_class
 
 
@@ -21,13 +22,14 @@ def _target(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | N
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: str = "cpu",
-               cfg: ModelConfig | None = None) -> torch.nn.Module:
+               cfg: ModelConfig | None = None, pack: bool = True) -> torch.nn.Module:
     """Construct on the meta device, then fill parameters from the safetensors files.
 
     Checkpoint shards of a packed parameter (q/k/v -> qkv_proj, gate/up -> gate_up_proj) are
     copied into consecutive row ranges, in shard order. Every parameter must be filled completely
     (a tied lm_head may be absent); a checkpoint tensor with no parameter is an error, except
-    rotary caches some exporters add.
+    rotary caches some exporters add. With `pack`, linear layers get the CPU fast path of
+    engine.linear where it applies.
     """
     d = Path(model_dir)
     cfg = cfg or ModelConfig.from_dir(d)
@@ -67,4 +69,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str = "cpu",
     model.load_state_dict(state, strict=False, assign=True)
     model.init_buffers(device)   # non-persistent buffers were built on the meta device
     model.tie_weights()
+    if pack:
+        prepack_linears(model, torch.device(device), dtype)
     return model.eval()
