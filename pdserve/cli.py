@@ -42,6 +42,9 @@ def _add_worker(p: argparse.ArgumentParser, role: str, port: int) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="token budget of one engine step")
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
+    p.add_argument("--long-prefill-tokens", type=int, default=0,
+                   help="while requests wait, one prompt chunk takes at most this many tokens of "
+                        "a step (0: a quarter of --max-num-batched-tokens)")
     p.add_argument("--max-model-len", type=int, default=0,
                    help="context length limit (0: the model's max_position_embeddings)")
     p.add_argument("--kv-transport", default="grpc", help="KV transport name (grpc)")

@@ -41,7 +41,8 @@ def build_engine(args, role: str):
     cfg = EngineConfig(role=role, dtype=args.dtype, device=args.device,
                        block_size=args.block_size, num_blocks=args.num_blocks,
                        max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+                       max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                       long_prefill_tokens=args.long_prefill_tokens)
     if cfg.num_blocks == 0:
         import dataclasses
         cfg = dataclasses.replace(cfg, num_blocks=blocks_for_gib(model_cfg, cfg, args.kv_cache_gib))
