@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
 import sys
 
 from pdserve.paths import default_model_dir

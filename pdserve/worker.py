@@ -61,7 +61,7 @@ class WorkerIdentity:
     served_model: str
 
 
-def sampling_from_pb(p) -> "SamplingParams":
+def sampling_from_pb(p):
     """proto SamplingParams -> engine SamplingParams (raises ValueError on bad values)."""
     from engine.request import SamplingParams
 

@@ -129,13 +129,13 @@ class Stack:
 
 
 @contextlib.contextmanager
-def standard_stack(model_dir, workdir: Path):
+def standard_stack(model_dir, workdir: Path, decode_args: tuple[str, ...] = ()):
     """redis + one prefill + one decode + the gateway, healthy; logs printed if startup fails."""
     s = Stack(str(model_dir), workdir)
     try:
         s.start_redis()
         s.start_worker("prefill", name="prefill")
-        s.start_worker("decode", name="decode")
+        s.start_worker("decode", *decode_args, name="decode")
         s.start_gateway()
         s.wait_healthy()
         yield s

@@ -13,7 +13,7 @@ import pytest
 
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from tests.stack import Stack
+from tests.stack import standard_stack
 
 pytestmark = pytest.mark.slow
 
@@ -25,20 +25,10 @@ NEW = 16
 
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory):
-    s = Stack(str(model_dir), tmp_path_factory.mktemp("stack"))
-    try:
-        s.start_redis()
-        s.start_worker("prefill", name="prefill")
-        # 40 blocks of 16 tokens: 24 requests of ~28 tokens need 48
-        s.start_worker("decode", "--num-blocks", "40", name="decode")
-        s.start_gateway()
-        s.wait_healthy()
+    # 40 blocks of 16 tokens on the decode worker: 24 requests of ~28 tokens need 48
+    with standard_stack(model_dir, tmp_path_factory.mktemp("stack"),
+                        decode_args=("--num-blocks", "40")) as s:
         yield s
-    except BaseException:
-        print(s.logs())
-        raise
-    finally:
-        s.stop()
 
 
 def generate(stub, prompt: str) -> list[int]:
