@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -157,7 +156,3 @@ async def list_workers(client: aioredis.Redis, role: str | None = None) -> list[
         if role is None or w.role == role:
             out.append(w)
     return sorted(out, key=lambda w: w.id)
-
-
-def now() -> float:
-    return time.time()
