@@ -70,14 +70,20 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         finished = False
         try:
-            try:
-                blocks = await self.aengine.reserve(req)
-            except ValueError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            self.sink.reservations[rid] = blocks
-            target = TransferTarget(self.receiver.name, self.receiver.address(), self.ident.id,
-                                    self.sink.layout, tuple(blocks))
-            yield pb.DecodeEvent(reservation=target_to_pb(target))
+            if request.local_prefill:
+                try:
+                    await self.aengine.submit(req)
+                except ValueError as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            else:
+                try:
+                    blocks = await self.aengine.reserve(req)
+                except ValueError as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                self.sink.reservations[rid] = blocks
+                target = TransferTarget(self.receiver.name, self.receiver.address(),
+                                        self.ident.id, self.sink.layout, tuple(blocks))
+                yield pb.DecodeEvent(reservation=target_to_pb(target))
             while not finished:
                 outs = [await queue.get()]
                 while not queue.empty():               # batch what is already there

@@ -63,11 +63,15 @@ class AsyncEngine:
         """Queue a request for computation; its outputs arrive on the returned queue."""
         q = self.open_stream(req.request_id)
         try:
-            await self._call(self.engine.add_request, req)
+            await self.submit(req)
         except BaseException:
             self.close_stream(req.request_id)
             raise
         return q
+
+    async def submit(self, req: Request) -> None:
+        """Queue a request whose stream the caller has opened (open_stream) already."""
+        await self._call(self.engine.add_request, req)
 
     async def reserve(self, req: Request) -> list[int]:
         """Decode role: reserve blocks for a prompt whose KV comes from elsewhere. Waits for

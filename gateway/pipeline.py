@@ -38,10 +38,17 @@ class PipelineConfig:
     reservation_timeout_s: float = 300.0   # D must answer with a reservation within this
     prefill_timeout_s: float = 600.0       # deadline of the Prefill call
     prefill_grace_s: float = 2.0           # wait for P's reply once D has finished
+    # Conditional disaggregation: a prompt of at most local_prefill_max_tokens is computed on
+    # the decode worker when the chosen prefill worker already has local_prefill_queue or more
+    # of this gateway's prompts outstanding. 0 turns it off (every prompt goes to a prefill worker).
+    local_prefill_max_tokens: int = 0
+    local_prefill_queue: int = 4
 
     def __post_init__(self) -> None:
         if min(self.reservation_timeout_s, self.prefill_timeout_s, self.prefill_grace_s) <= 0:
             raise ValueError("pipeline timeouts must be positive")
+        if self.local_prefill_max_tokens < 0 or self.local_prefill_queue < 0:
+            raise ValueError("local_prefill_max_tokens and local_prefill_queue must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -179,6 +186,7 @@ class Pipeline:
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = metrics or GatewayMetrics()
+        self._prefilling: dict[str, int] = {}   # worker id -> this gateway's Prefill calls open
 
     async def generate(self, prepared: PreparedRequest) -> AsyncIterator[Delta]:
         """Yield the request's Deltas; the last one has finish_reason set.
@@ -202,17 +210,25 @@ class Pipeline:
         finally:
             m.in_flight.dec()
 
+    def _prefill_locally(self, prefill_w: WorkerInfo, prepared: PreparedRequest) -> bool:
+        cfg = self.config
+        return (0 < len(prepared.prompt_token_ids) <= cfg.local_prefill_max_tokens
+                and self._prefilling.get(prefill_w.id, 0) >= cfg.local_prefill_queue)
+
     async def _generate(self, prepared: PreparedRequest) -> AsyncIterator[Delta]:
         prefill_w, decode_w = await self.router.pick_pair()
-        with self.router.track(prefill_w, decode_w):
+        local = self._prefill_locally(prefill_w, prepared)
+        self.metrics.routed.labels(prefill="decode-local" if local else "prefill-worker").inc()
+        with self.router.track(*([decode_w] if local else [prefill_w, decode_w])):
             decode = pdserve_pb2_grpc.DecodeWorkerStub(self.router.channel(decode_w.address))
             call = decode.Decode(pdserve_pb2.DecodeRequest(
                 request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
-                params=prepared.params.to_proto()))
+                params=prepared.params.to_proto(), local_prefill=local))
             prefill: asyncio.Task | None = None
             try:
-                reservation = await self._reservation(call, decode_w)
-                prefill = asyncio.ensure_future(self._prefill(prefill_w, prepared, reservation))
+                if not local:
+                    reservation = await self._reservation(call, decode_w)
+                    prefill = asyncio.ensure_future(self._prefill(prefill_w, prepared, reservation))
                 state = _RequestText(self.tokenizer, prepared)
                 while True:
                     event = await self._next_event(call, decode_w, prefill)
@@ -251,16 +267,21 @@ class Pipeline:
         request = pdserve_pb2.PrefillRequest(
             request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
             params=prepared.params.to_proto(), destination=reservation)
+        self._prefilling[worker.id] = self._prefilling.get(worker.id, 0) + 1
         try:
             return await stub.Prefill(request, timeout=self.config.prefill_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise self._failed("prefill", worker, exc) from None
+        finally:
+            self._prefilling[worker.id] -= 1
 
     async def _next_event(self, call, decode_w: WorkerInfo,
-                          prefill: asyncio.Task) -> pdserve_pb2.DecodeEvent:
+                          prefill: asyncio.Task | None) -> pdserve_pb2.DecodeEvent:
         """The next token event of D; raises the Prefill call's error as soon as it fails."""
         try:
-            if prefill.done():
+            if prefill is None:
+                event = await call.read()
+            elif prefill.done():
                 prefill.result()
                 event = await call.read()
             else:
@@ -275,9 +296,9 @@ class Pipeline:
                                status=500, code="worker_error")
         return event
 
-    async def _finish_prefill(self, prefill: asyncio.Task) -> None:
+    async def _finish_prefill(self, prefill: asyncio.Task | None) -> None:
         """After D finished on its own, let P's reply arrive (it is due) rather than abort P."""
-        if not prefill.done():
+        if prefill is not None and not prefill.done():
             await asyncio.wait({prefill}, timeout=self.config.prefill_grace_s)
 
 

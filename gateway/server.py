@@ -21,7 +21,7 @@ import uvicorn
 from gateway.grpc_api import add_services
 from gateway.openai_api import create_app
 from gateway.params import RequestPreparer, ServedModel
-from gateway.pipeline import Pipeline
+from gateway.pipeline import Pipeline, PipelineConfig
 from gateway.router import CHANNEL_OPTIONS, Router
 from gateway.tokenizer import Tokenizer
 from pdserve.paths import resolve_model
@@ -54,7 +54,9 @@ async def serve(args: argparse.Namespace) -> None:
     served = served_model(model_dir, args.served_model_name, args.max_model_len)
     preparer = RequestPreparer(Tokenizer(model_dir), served)
     router = Router(args.redis_url)
-    pipeline = Pipeline(router, preparer.tokenizer)
+    pipeline = Pipeline(router, preparer.tokenizer, PipelineConfig(
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
+        local_prefill_queue=args.local_prefill_queue))
 
     grpc_server = grpc.aio.server(options=CHANNEL_OPTIONS)
     health = await add_services(grpc_server, preparer, pipeline)

@@ -217,6 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--redis-url", default=DEFAULT_REDIS_URL, help="Redis for worker discovery")
     gw.add_argument("--max-model-len", type=int, default=0,
                     help="context length limit (0: the model's max_position_embeddings)")
+    gw.add_argument("--local-prefill-max-tokens", type=int, default=0,
+                    help="prompts up to this many tokens are computed on the decode worker when "
+                         "the prefill worker is busy (conditional disaggregation; 0: never)")
+    gw.add_argument("--local-prefill-queue", type=int, default=4,
+                    help="'busy': this gateway has at least this many prompts outstanding on the "
+                         "chosen prefill worker")
     gw.add_argument("--log-level", default="INFO")
     gw.set_defaults(target="gateway.server:main")
 

@@ -93,6 +93,8 @@ class GatewayMetrics:
         self.generated = Counter("pdserve_request_generated_tokens", "Tokens sent to clients",
                                  registry=r)
         self.in_flight = Gauge("pdserve_requests_in_flight", "Requests being served", registry=r)
+        self.routed = Counter("pdserve_routing_decisions", "Where each prompt was computed",
+                              ["prefill"], registry=r)
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

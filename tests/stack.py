@@ -129,14 +129,15 @@ class Stack:
 
 
 @contextlib.contextmanager
-def standard_stack(model_dir, workdir: Path, decode_args: tuple[str, ...] = ()):
+def standard_stack(model_dir, workdir: Path, decode_args: tuple[str, ...] = (),
+                   gateway_args: tuple[str, ...] = ()):
     """redis + one prefill + one decode + the gateway, healthy; logs printed if startup fails."""
     s = Stack(str(model_dir), workdir)
     try:
         s.start_redis()
         s.start_worker("prefill", name="prefill")
         s.start_worker("decode", *decode_args, name="decode")
-        s.start_gateway()
+        s.start_gateway(*gateway_args)
         s.wait_healthy()
         yield s
     except BaseException:

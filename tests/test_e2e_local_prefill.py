@@ -1,0 +1,44 @@
+"""Conditional disaggregation: with the gateway told to compute prompts on the decode worker,
+greedy output still equals HF, the prefill worker computes nothing, and blocks come back."""
+
+from __future__ import annotations
+
+import grpc
+import httpx
+import pytest
+
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from tests.stack import standard_stack
+from tests.test_e2e import PLAIN, grpc_generate, hf, hf_greedy, prompt_ids  # noqa: F401
+from tests.test_e2e_batching import metric
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir, tmp_path_factory):
+    with standard_stack(model_dir, tmp_path_factory.mktemp("stack"),
+                        gateway_args=("--local-prefill-max-tokens", "4096",
+                                      "--local-prefill-queue", "0")) as s:
+        yield s
+
+
+def test_local_prefill_matches_hf_and_skips_the_prefill_worker(stack, hf):
+    with grpc.insecure_channel(stack.procs[-1].address) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        for p in PLAIN:
+            toks, _, _, usage = grpc_generate(stub, text=p, params=pb.SamplingParams(
+                temperature=0.0, max_tokens=24))
+            ref = hf_greedy(hf, prompt_ids(hf, plain=p), 24)
+            assert toks == ref
+            assert usage.completion_tokens == len(ref)
+    prefill = next(p for p in stack.procs if p.name == "prefill")
+    decode = next(p for p in stack.procs if p.name == "decode")
+    assert metric(prefill.metrics, "pdserve_prompt_tokens_computed_total") == 0
+    assert metric(decode.metrics, "pdserve_prompt_tokens_computed_total") >= sum(
+        len(prompt_ids(hf, plain=p)) for p in PLAIN)
+    gateway = httpx.get(stack.procs[-1].http + "/metrics", timeout=10).text
+    assert 'pdserve_routing_decisions_total{prefill="decode-local"} 3.0' in gateway
+    assert metric(decode.metrics, "pdserve_kv_blocks_free") == metric(
+        decode.metrics, "pdserve_kv_blocks_total")
