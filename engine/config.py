@@ -10,6 +10,37 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+# CPU flags that make a 16-bit matmul faster than fp32 (oneDNN uses them).
+_NATIVE_CPU_FLAGS = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def resolve_compute_dtype(dtype: str, compute_dtype: str, device: str) -> str:
+    """The dtype the engine computes in (and keeps its KV cache in).
+
+    "auto" means `dtype`, except for 16-bit dtypes on a CPU without native 16-bit matmul
+    instructions: there torch's bf16/fp16 GEMMs run several times slower than fp32, so the
+    weights are rounded to `dtype` (the same values a 16-bit model has) and computed in fp32.
+    """
+    if compute_dtype != "auto":
+        if compute_dtype not in DTYPES:
+            raise ValueError(f"compute_dtype must be 'auto' or one of {sorted(DTYPES)}, "
+                             f"got {compute_dtype!r}")
+        return compute_dtype
+    if dtype == "float32" or not device.startswith("cpu"):
+        return dtype
+    return dtype if _cpu_flags() & set(_NATIVE_CPU_FLAGS[dtype]) else "float32"
+
 # HF architecture name -> our model family (see engine/models).
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -101,7 +132,8 @@ class EngineConfig:
     """How one engine runs. `num_blocks` must be resolved (> 0) before the engine starts."""
 
     role: str = "decode"                 # "prefill": finish after the first token, keep blocks
-    dtype: str = "float32"
+    dtype: str = "float32"               # the model's weights are rounded to this
+    compute_dtype: str = "auto"          # activations and KV cache; see resolve_compute_dtype
     device: str = "cpu"
     block_size: int = 16
     num_blocks: int = 0
@@ -115,6 +147,8 @@ class EngineConfig:
             raise ValueError(f"role must be 'prefill' or 'decode', got {self.role!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        object.__setattr__(self, "compute_dtype",
+                           resolve_compute_dtype(self.dtype, self.compute_dtype, self.device))
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
@@ -128,6 +162,11 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """What the engine computes in and stores KV as."""
+        return DTYPES[self.compute_dtype]
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
     @classmethod
@@ -153,4 +192,4 @@ def blocks_for_gib(model: ModelConfig, engine: EngineConfig, gib: float) -> int:
     return n
 
 
-__all__ = ["DTYPES", "ModelConfig", "EngineConfig", "kv_bytes_per_block", "blocks_for_gib"]
+__all__ = ["DTYPES", "resolve_compute_dtype", "ModelConfig", "EngineConfig", "kv_bytes_per_block", "blocks_for_gib"]

@@ -63,12 +63,13 @@ class Engine:
             cfg = replace(cfg, max_model_len=self.model_cfg.max_position_embeddings)
         self.cfg = cfg
         self.device = torch.device(cfg.device)
-        self.model = model or load_model(model_dir, cfg.torch_dtype, cfg.device, self.model_cfg)
+        self.model = model or load_model(model_dir, cfg.torch_dtype, cfg.device, self.model_cfg,
+                                           round_to=cfg.weight_dtype)
         m = self.model_cfg
         # kv[layer, k_or_v, block, slot, kv_head, head_dim]; see engine.block_pool for the picture
         self.kv = torch.zeros(m.num_layers, 2, cfg.num_blocks, cfg.block_size, m.num_kv_heads,
                               m.head_dim, dtype=cfg.torch_dtype, device=self.device)
-        self.layout = KVLayout(cfg.dtype, cfg.block_size, m.num_layers, m.num_kv_heads, m.head_dim)
+        self.layout = KVLayout(cfg.compute_dtype, cfg.block_size, m.num_layers, m.num_kv_heads, m.head_dim)
         self.pool = BlockPool(cfg.num_blocks)
         self.kv_manager = KVCacheManager(self.pool, cfg.block_size)
         self.scheduler = Scheduler(cfg, self.kv_manager, m.eos_token_ids, cfg.max_model_len)

@@ -22,13 +22,15 @@ def _target(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | N
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: str = "cpu",
-               cfg: ModelConfig | None = None, pack: bool = True) -> torch.nn.Module:
+               cfg: ModelConfig | None = None, pack: bool = True,
+               round_to: torch.dtype | None = None) -> torch.nn.Module:
     """Construct on the meta device, then fill parameters from the safetensors files.
 
     Checkpoint shards of a packed parameter (q/k/v -> qkv_proj, gate/up -> gate_up_proj) are
     copied into consecutive row ranges, in shard order. Every parameter must be filled completely
     (a tied lm_head may be absent); a checkpoint tensor with no parameter is an error, except
-    rotary caches some exporters add. With `pack`, linear layers get the CPU fast path of
+    rotary caches some exporters add. With `round_to` (a narrower dtype than `dtype`), weights
+    are rounded to it first: a bf16 model computed in fp32. With `pack`, linear layers get the CPU fast path of
     engine.linear where it applies.
     """
     d = Path(model_dir)
@@ -60,7 +62,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str = "cpu",
         if full.shape != state[target].shape:
             raise ValueError(f"{target}: checkpoint gives {tuple(full.shape)}, model expects "
                              f"{tuple(state[target].shape)} (missing shards?)")
-        state[target].copy_(full)
+        state[target].copy_(full if round_to is None else full.to(round_to))
     missing = set(state) - set(shards) - tied
     if missing:
         raise ValueError(f"checkpoint in {d} lacks {sorted(missing)[:5]}")

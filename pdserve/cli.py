@@ -33,7 +33,12 @@ def _add_worker(p: argparse.ArgumentParser, role: str, port: int) -> None:
                    help="torch CPU threads for this worker (0: torch's default)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="weights and KV cache dtype (float32 is token-exact with HF fp32)")
+                   help="model dtype: weights are rounded to it (float32 is token-exact with "
+                        "HF fp32)")
+    p.add_argument("--compute-dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype of activations and the KV cache; auto: --dtype, except float32 "
+                        "for 16-bit dtypes on CPUs without native 16-bit matmul instructions")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=0,
                    help="KV blocks in the pool (0: size from --kv-cache-gib)")

@@ -38,7 +38,8 @@ def build_engine(args, role: str):
         torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
     model_cfg = ModelConfig.from_dir(model_dir)
-    cfg = EngineConfig(role=role, dtype=args.dtype, device=args.device,
+    cfg = EngineConfig(role=role, dtype=args.dtype, compute_dtype=args.compute_dtype,
+                       device=args.device,
                        block_size=args.block_size, num_blocks=args.num_blocks,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
@@ -48,9 +49,13 @@ def build_engine(args, role: str):
         cfg = dataclasses.replace(cfg, num_blocks=blocks_for_gib(model_cfg, cfg, args.kv_cache_gib))
     t0 = time.perf_counter()
     engine = Engine(model_dir, cfg, model_cfg)
-    log.info("%s engine ready in %.1fs: %s, %s, %d KV blocks of %d tokens, %d threads", role,
-             time.perf_counter() - t0, model_dir.name, cfg.dtype, cfg.num_blocks, cfg.block_size,
-             torch.get_num_threads())
+    if cfg.compute_dtype != cfg.dtype:
+        log.warning("%s weights computed in %s: this device has no fast %s matmul "
+                    "(--compute-dtype %s forces it)", cfg.dtype, cfg.compute_dtype, cfg.dtype,
+                    cfg.dtype)
+    log.info("%s engine ready in %.1fs: %s, weights %s, compute %s, %d KV blocks of %d tokens, "
+             "%d threads", role, time.perf_counter() - t0, model_dir.name, cfg.dtype,
+             cfg.compute_dtype, cfg.num_blocks, cfg.block_size, torch.get_num_threads())
     return engine, model_dir
 
 

@@ -78,3 +78,40 @@ def test_greedy_generate_matches_hf(tmp_path, family):
                           eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         assert got[str(i)] == ref
     assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_bf16_weights_computed_in_fp32_match_hf_on_rounded_weights(tmp_path):
+    """--dtype bfloat16 --compute-dtype float32: a bf16 model's weights, fp32 arithmetic."""
+    hf = make_model(tmp_path, "llama")
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    cfg = EngineConfig(num_blocks=32, block_size=4, dtype="bfloat16", compute_dtype="float32")
+    assert cfg.torch_dtype == torch.float32 and cfg.weight_dtype == torch.bfloat16
+    eng = Engine(tmp_path, cfg)
+    assert eng.layout.dtype == "float32"
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(ids).logits[0, -1]
+    req = Request("r", ids[0].tolist(), SamplingParams(temperature=0, max_tokens=1, logprobs=True))
+    eng.add_request(req)
+    outs = []
+    while eng.has_work():
+        outs += eng.step()
+    assert outs[-1].new_token_ids == [int(ref.argmax())]
+    assert abs(outs[-1].new_logprobs[0].logprob - float(ref.log_softmax(-1).max())) < 1e-4
+
+
+def test_compute_dtype_resolution(monkeypatch):
+    import engine.config as ec
+
+    monkeypatch.setattr(ec, "_cpu_flags", lambda: {"avx2", "fma"})
+    assert ec.resolve_compute_dtype("bfloat16", "auto", "cpu") == "float32"
+    assert ec.resolve_compute_dtype("bfloat16", "bfloat16", "cpu") == "bfloat16"
+    assert ec.resolve_compute_dtype("bfloat16", "auto", "cuda:0") == "bfloat16"
+    assert ec.resolve_compute_dtype("float32", "auto", "cpu") == "float32"
+    monkeypatch.setattr(ec, "_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    assert ec.resolve_compute_dtype("bfloat16", "auto", "cpu") == "bfloat16"
+    assert ec.resolve_compute_dtype("float16", "auto", "cpu") == "float32"
+    with pytest.raises(ValueError, match="compute_dtype"):
+        ec.resolve_compute_dtype("float32", "int8", "cpu")
