@@ -141,6 +141,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int = 0               # 0: the model's max_position_embeddings
     long_prefill_tokens: int = 0         # chunk cap while others wait; 0: a quarter of the budget
+    enable_prefix_caching: bool = True
+    hash_seed: int = 0                   # block hash seed; the same on every worker
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.block_hash import BlockHasher
 from engine.block_pool import BlockPool, KVCacheManager
 from engine.config import EngineConfig, ModelConfig
 from engine.request import Request, RequestOutput, TokenLogprob
@@ -71,7 +72,8 @@ class Engine:
                               m.head_dim, dtype=cfg.torch_dtype, device=self.device)
         self.layout = KVLayout(cfg.compute_dtype, cfg.block_size, m.num_layers, m.num_kv_heads, m.head_dim)
         self.pool = BlockPool(cfg.num_blocks)
-        self.kv_manager = KVCacheManager(self.pool, cfg.block_size)
+        hasher = BlockHasher(cfg.block_size, cfg.hash_seed) if cfg.enable_prefix_caching else None
+        self.kv_manager = KVCacheManager(self.pool, cfg.block_size, hasher)
         self.scheduler = Scheduler(cfg, self.kv_manager, m.eos_token_ids, cfg.max_model_len)
         self.stats = EngineStats()
         self.last_step: StepStats | None = None

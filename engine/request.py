@@ -69,6 +69,10 @@ class Request:
     finish_reason: str | None = None
     arrival: int = 0                      # admission order, for FIFO and preemption
     num_preemptions: int = 0
+    cache_salt: str = ""                  # requests share cached blocks only with equal salts
+    block_hashes: list[int] = field(default_factory=list)   # of full blocks (engine.block_hash)
+    num_cached_blocks: int = 0            # leading blocks registered in the prefix cache
+    num_cached_tokens: int = 0            # prompt tokens found in the prefix cache at admission
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

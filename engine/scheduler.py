@@ -6,7 +6,8 @@ decoding request needs one token per step. When a step brings a request level wi
 that step's logits sample its next token.
 
 Order: running requests first (oldest first), then waiting ones (FIFO) while budget, sequence
-slots and blocks last. When a running request cannot get a block, the newest running request is
+slots and blocks last. A waiting request with nothing computed starts from its longest cached
+prefix (engine.block_pool): those tokens count as computed. When a running request cannot get a block, the newest running request is
 preempted: its blocks are freed and it goes back to the front of the queue to be recomputed.
 """
 
@@ -58,9 +59,13 @@ class Scheduler:
 
     def reserve_remote(self, req: Request) -> list[int] | None:
         """Decode role: allocate blocks for the prompt, whose KV another worker will write.
-        Returns the block ids, or None when the pool cannot hold the prompt now."""
-        if self.kv.allocate_slots(req.request_id, req.num_prompt_tokens) is None:
+        Blocks of the prompt's prefix cached here are reused: only the blocks after the first
+        `req.num_cached_blocks` need to arrive. Returns the block ids, or None when the pool
+        cannot hold the prompt now."""
+        hits = self.kv.cached_prefix(req, req.num_prompt_tokens)
+        if self.kv.allocate_slots(req.request_id, req.num_prompt_tokens, prefix=hits) is None:
             return None
+        self._note_hits(req, len(hits))
         req.arrival, self._arrivals = self._arrivals, self._arrivals + 1
         req.status = Status.WAITING_FOR_REMOTE_KV
         self.remote[req.request_id] = req
@@ -74,6 +79,7 @@ class Scheduler:
         if req is None:
             return None                          # aborted meanwhile
         req.num_computed_tokens = req.num_prompt_tokens
+        self.kv.cache_computed_blocks(req)
         req.append_token(first_token, logprob)
         out = self._check_finish(req, [first_token], [logprob] if logprob else [])
         if req.finished:
@@ -143,11 +149,19 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs \
                 and not out.preempted:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            hits: list[int] = []
+            if req.num_computed_tokens == 0 and not self.kv.block_table(req.request_id):
+                # at least one token is computed, so the step has logits to sample from
+                hits = self.kv.cached_prefix(req, req.num_tokens - 1)
+            computed = req.num_computed_tokens + len(hits) * self.kv.block_size
+            n = min(req.num_tokens - computed, budget)
             if len(self.waiting) > 1:
                 n = min(n, cap)
-            if self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
+            if self.kv.allocate_slots(req.request_id, computed + n, prefix=hits) is None:
                 break
+            if req.num_computed_tokens == 0:
+                self._note_hits(req, len(hits))
+            req.num_computed_tokens = computed
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
@@ -159,10 +173,16 @@ class Scheduler:
     def _scheduled(req: Request, n: int) -> ScheduledRequest:
         return ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens)
 
+    def _note_hits(self, req: Request, num_blocks: int) -> None:
+        """Admission of a request with nothing computed: its cached prefix is `num_blocks`."""
+        req.num_cached_blocks = num_blocks
+        req.num_cached_tokens = num_blocks * self.kv.block_size
+        self.kv.count_query(req.num_tokens, req.num_cached_tokens)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req.request_id)
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_cached_blocks = 0
         req.num_preemptions += 1
         req.status = Status.WAITING
         self.waiting.appendleft(req)
@@ -176,6 +196,7 @@ class Scheduler:
         for s in sched.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_computed_blocks(req)
             if not s.sample:
                 continue
             tok, lp = next(it)
