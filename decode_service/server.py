@@ -34,6 +34,7 @@ class DecodeSink:
         self.reservations: dict[str, list[int]] = {}
 
     def reserved_blocks(self, request_id: str) -> list[int] | None:
+        """The request's blocks a sender may write: never the shared, cached prefix blocks."""
         return self.reservations.get(request_id)
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
@@ -64,7 +65,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
         try:
-            req = Request(rid, list(request.prompt_token_ids), sampling_from_pb(request.params))
+            req = Request(rid, list(request.prompt_token_ids), sampling_from_pb(request.params),
+                          cache_salt=request.cache_salt)
             queue = self.aengine.open_stream(rid)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -80,9 +82,10 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                     blocks = await self.aengine.reserve(req)
                 except ValueError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                self.sink.reservations[rid] = blocks
+                cached = req.num_cached_blocks        # set by the engine thread on reserve
+                self.sink.reservations[rid] = blocks[cached:]
                 target = TransferTarget(self.receiver.name, self.receiver.address(),
-                                        self.ident.id, self.sink.layout, tuple(blocks))
+                                        self.ident.id, self.sink.layout, tuple(blocks), cached)
                 yield pb.DecodeEvent(reservation=target_to_pb(target))
             while not finished:
                 outs = [await queue.get()]

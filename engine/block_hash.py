@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 ROOT = 0
+STORED, EVICTED = "stored", "evicted"      # prefix cache events (engine.block_pool -> directory)
 _U32 = struct.Struct("<I")
 
 
@@ -80,4 +81,4 @@ def salt_bytes(cache_salt: str) -> bytes:
     return cache_salt.encode("utf-8")
 
 
-__all__ = ["BlockHasher", "ROOT", "salt_bytes"]
+__all__ = ["BlockHasher", "ROOT", "STORED", "EVICTED", "salt_bytes"]

@@ -24,15 +24,12 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import Sequence
 
-from engine.block_hash import BlockHasher, salt_bytes
+from engine.block_hash import EVICTED, STORED, BlockHasher, salt_bytes
 from engine.request import Request
 
 
 class NoFreeBlocks(RuntimeError):
     pass
-
-
-STORED, EVICTED = "stored", "evicted"
 
 
 class BlockPool:

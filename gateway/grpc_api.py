@@ -43,7 +43,8 @@ def request_to_shared(request: pdserve_pb2.GenerateRequest) -> tuple[Prompt, Raw
     raw = RawParams(max_tokens=p.max_tokens, temperature=p.temperature,
                     top_p=p.top_p or None, top_k=p.top_k,
                     seed=p.seed if p.HasField("seed") else None, stop=tuple(p.stop),
-                    ignore_eos=p.ignore_eos, logprobs=p.logprobs, top_logprobs=p.top_logprobs)
+                    ignore_eos=p.ignore_eos, logprobs=p.logprobs, top_logprobs=p.top_logprobs,
+                    cache_salt=request.cache_salt or None)
     return prompt, raw
 
 

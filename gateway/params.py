@@ -19,6 +19,7 @@ MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 SEED_LIMIT = 2 ** 64
+MAX_CACHE_SALT = 256
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class RawParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ class PreparedRequest:
     kind: Literal["completion", "chat"]
     prompt_token_ids: tuple[int, ...]
     params: GenerationParams
+    cache_salt: str = ""       # requests share cached KV only with the same salt
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -206,5 +209,10 @@ class RequestPreparer:
             seed=secrets.randbits(63) if raw.seed is None else raw.seed,
             stop=tuple(raw.stop), ignore_eos=raw.ignore_eos,
             logprobs=raw.logprobs or raw.top_logprobs > 0, top_logprobs=raw.top_logprobs)
+        salt = raw.cache_salt or ""
+        if len(salt) > MAX_CACHE_SALT:
+            raise bad_request(f"cache_salt must be at most {MAX_CACHE_SALT} characters, got "
+                              f"{len(salt)}", "cache_salt")
         return PreparedRequest(request_id=request_id or uuid.uuid4().hex, model=self.served.name,
-                               kind=prompt.kind, prompt_token_ids=ids, params=params)
+                               kind=prompt.kind, prompt_token_ids=ids, params=params,
+                               cache_salt=salt)

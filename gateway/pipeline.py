@@ -216,19 +216,26 @@ class Pipeline:
                 and self._prefilling.get(prefill_w.id, 0) >= cfg.local_prefill_queue)
 
     async def _generate(self, prepared: PreparedRequest) -> AsyncIterator[Delta]:
-        prefill_w, decode_w = await self.router.pick_pair()
+        route = await self.router.route(prepared.prompt_token_ids, prepared.cache_salt)
+        prefill_w, decode_w = route.prefill, route.decode
         local = self._prefill_locally(prefill_w, prepared)
         self.metrics.routed.labels(prefill="decode-local" if local else "prefill-worker").inc()
+        if not local:
+            self.metrics.route_reason.labels(reason=route.reason).inc()
+            self.metrics.routed_cached.inc(route.cached_tokens)
         with self.router.track(*([decode_w] if local else [prefill_w, decode_w])):
             decode = pdserve_pb2_grpc.DecodeWorkerStub(self.router.channel(decode_w.address))
             call = decode.Decode(pdserve_pb2.DecodeRequest(
                 request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
-                params=prepared.params.to_proto(), local_prefill=local))
+                params=prepared.params.to_proto(), local_prefill=local,
+                cache_salt=prepared.cache_salt))
             prefill: asyncio.Task | None = None
             try:
                 if not local:
                     reservation = await self._reservation(call, decode_w)
-                    prefill = asyncio.ensure_future(self._prefill(prefill_w, prepared, reservation))
+                    uncached = len(prepared.prompt_token_ids) - route.cached_tokens
+                    prefill = asyncio.ensure_future(
+                        self._prefill(prefill_w, prepared, reservation, uncached))
                 state = _RequestText(self.tokenizer, prepared)
                 while True:
                     event = await self._next_event(call, decode_w, prefill)
@@ -262,14 +269,17 @@ class Pipeline:
         return event.reservation
 
     async def _prefill(self, worker: WorkerInfo, prepared: PreparedRequest,
-                       reservation: pdserve_pb2.KVDescriptor) -> pdserve_pb2.PrefillReply:
+                       reservation: pdserve_pb2.KVDescriptor,
+                       uncached_tokens: int) -> pdserve_pb2.PrefillReply:
         stub = pdserve_pb2_grpc.PrefillWorkerStub(self.router.channel(worker.address))
         request = pdserve_pb2.PrefillRequest(
             request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
-            params=prepared.params.to_proto(), destination=reservation)
+            params=prepared.params.to_proto(), destination=reservation,
+            cache_salt=prepared.cache_salt)
         self._prefilling[worker.id] = self._prefilling.get(worker.id, 0) + 1
         try:
-            return await stub.Prefill(request, timeout=self.config.prefill_timeout_s)
+            with self.router.prefilling(worker, uncached_tokens):
+                return await stub.Prefill(request, timeout=self.config.prefill_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise self._failed("prefill", worker, exc) from None
         finally:

@@ -59,6 +59,7 @@ class _CommonRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    cache_salt: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
 
@@ -84,7 +85,7 @@ class _CommonRequest(_Strict):
         return RawParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                          top_k=self.top_k, seed=self.seed, stop=self._stop(),
                          ignore_eos=self.ignore_eos, logprobs=logprobs,
-                         top_logprobs=top_logprobs)
+                         top_logprobs=top_logprobs, cache_salt=self.cache_salt)
 
 
 class CompletionRequest(_CommonRequest):

@@ -1,16 +1,26 @@
 """Worker discovery and choice.
 
 A background task polls the Redis registry (pdserve.registry.list_workers) every `poll_s`. If
-Redis is unreachable the last known list stays in use (logged once, and once when it is back).
+Redis is unreachable the last known list stays in use (logged once, and once when it is back);
+so it does for a few seconds when Redis suddenly lists no worker at all (a restart).
 
 Layout check: every worker of a deployment must share `WorkerInfo.layout_key()` (model, block
 size, hash seed, dtype, KV shape) for KV to move between them. The reference is the live worker
 that registered first (smallest started_at, then id), so every gateway replica agrees on it
 without coordination; workers that differ are refused with a warning naming both layouts.
 
-Choice: per role, the worker with the fewest requests in flight from this gateway; ties are
-broken round-robin; a worker found unreachable is avoided for a few seconds while others exist.
-One grpc.aio channel is kept per worker address.
+Choice (--routing):
+- `prefix` (default): the prompt's full blocks are hashed (engine.block_hash, with the
+  deployment's block size and hash seed) and the Redis prefix directory says how many leading
+  blocks each worker holds. A prefill worker costs the prompt tokens it would compute (the prompt
+  minus its cached prefix) plus the uncached prompt tokens this gateway already has outstanding on
+  it; the cheapest wins. A decode worker is the one with the fewest requests in flight, the longest
+  cached prefix breaking ties (fewer blocks to transfer). Redis unreachable: load only, retried
+  after a second, serving continues.
+- `load`: per role the worker with the fewest requests in flight from this gateway.
+- `round-robin`: workers in turn.
+Ties are broken round-robin; a worker found unreachable is avoided for a few seconds while others
+exist. One grpc.aio channel is kept per worker address.
 """
 
 from __future__ import annotations
@@ -19,16 +29,20 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from typing import Iterator
 
 import grpc
 import redis.asyncio as aioredis
 
+from engine.block_hash import BlockHasher, salt_bytes
 from gateway.errors import GatewayError
-from pdserve.registry import ROLES, WorkerInfo, list_workers
+from pdserve.prefix_directory import cached_prefix_blocks, directory_sizes
+from pdserve.registry import ROLES, WorkerInfo, cancel_task, list_workers
 
 log = logging.getLogger(__name__)
 
+ROUTING = ("prefix", "load", "round-robin")
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -46,6 +60,16 @@ def split_by_layout(workers: list[WorkerInfo]) -> tuple[list[WorkerInfo], list[W
     return accepted, refused
 
 
+@dataclass(frozen=True)
+class Route:
+    """A routing decision: the workers and why (see GatewayMetrics.route_reason)."""
+
+    prefill: WorkerInfo
+    decode: WorkerInfo
+    reason: str                 # cached_prefix | load | no_directory | round_robin
+    cached_tokens: int          # prompt tokens the directory lists on the chosen prefill worker
+
+
 class Router:
     """Knows the live workers, picks a (prefill, decode) pair per request, owns the channels.
 
@@ -53,11 +77,24 @@ class Router:
     `await stop()` at shutdown. `refresh()` runs one poll (tests call it directly).
     """
 
-    def __init__(self, redis_url: str, poll_s: float = 0.5) -> None:
+    def __init__(self, redis_url: str, poll_s: float = 0.5, routing: str = "prefix",
+                 metrics=None) -> None:
+        if routing not in ROUTING:
+            raise ValueError(f"routing must be one of {ROUTING}, got {routing!r}")
         self.redis_url = redis_url
         self.poll_s = poll_s
+        self.routing = routing
+        self.metrics = metrics                     # GatewayMetrics: directory sizes
         self._redis = aioredis.from_url(redis_url, socket_timeout=2.0,
                                         socket_connect_timeout=2.0)
+        # directory lookups are on the request path: short timeouts, a pause after a failure
+        self._directory = aioredis.from_url(redis_url, socket_timeout=0.5,
+                                            socket_connect_timeout=0.5)
+        self._directory_down_until = 0.0
+        self._reference: WorkerInfo | None = None
+        self._queued_tokens: dict[str, int] = {}   # prefill worker id -> uncached tokens queued
+        self.empty_grace_s = 6.0
+        self._emptied_at: float | None = None
         self._workers: dict[str, list[WorkerInfo]] = {role: [] for role in ROLES}
         self._refused: dict[str, WorkerInfo] = {}
         self._warned: set[tuple] = set()
@@ -83,11 +120,31 @@ class Router:
         if self._redis_down:
             log.info("redis at %s is reachable again", self.redis_url)
         self._redis_down = False
+        now = time.monotonic()
+        if not workers and self.num_workers():
+            # Every registration gone at once: Redis restarted empty (the workers register again
+            # within a heartbeat) far more often than every worker died together.
+            if self._emptied_at is None:
+                self._emptied_at = now
+                log.warning("redis lists no workers; keeping the last known list for %.0f s "
+                            "while they register again", self.empty_grace_s)
+            if now - self._emptied_at < self.empty_grace_s:
+                return
+        self._emptied_at = None
         self._apply(workers)
         await self._close_unused_channels()
+        if self.metrics is not None and self.routing == "prefix":
+            try:
+                sizes = await directory_sizes(self._redis, [w.id for w in workers])
+            except (aioredis.RedisError, OSError):
+                return
+            self.metrics.directory_blocks.clear()
+            for wid, n in sizes.items():
+                self.metrics.directory_blocks.labels(worker=wid).set(n)
 
     def _apply(self, workers: list[WorkerInfo]) -> None:
         accepted, refused = split_by_layout(workers)
+        self._reference = min(accepted, key=lambda w: (w.started_at, w.id)) if accepted else None
         for w in refused:
             key = (w.id, w.layout_key())
             if key not in self._warned:
@@ -122,14 +179,12 @@ class Router:
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_task(self._task)
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
         await self._redis.aclose()
+        await self._directory.aclose()
 
     # ------------------------------------------------------------------ state
     def workers(self, role: str) -> list[WorkerInfo]:
@@ -150,19 +205,87 @@ class Router:
         return self._in_flight.get(worker_id, 0)
 
     # ------------------------------------------------------------------ choice
-    def pick(self, role: str) -> WorkerInfo:
-        """The least loaded worker of `role`; GatewayError(503) when none is registered."""
+    def _candidates(self, role: str) -> list[WorkerInfo]:
         workers = self._workers[role]
         if not workers:
             raise GatewayError(f"no {role} worker registered (redis: {self.redis_url})",
                                status=503, code="no_worker")
         now = time.monotonic()
-        workers = [w for w in workers if self._avoid_until.get(w.id, 0.0) <= now] or workers
-        least = min(self.in_flight(w.id) for w in workers)
-        tied = [w for w in workers if self.in_flight(w.id) == least]
+        return [w for w in workers if self._avoid_until.get(w.id, 0.0) <= now] or workers
+
+    def _take_turn(self, role: str, tied: list[WorkerInfo]) -> WorkerInfo:
         turn = self._turn[role]
         self._turn[role] = turn + 1
         return tied[turn % len(tied)]
+
+    def _lowest(self, role: str, workers: list[WorkerInfo], cost) -> WorkerInfo:
+        best = min(cost(w) for w in workers)
+        return self._take_turn(role, [w for w in workers if cost(w) == best])
+
+    def pick(self, role: str) -> WorkerInfo:
+        """The least loaded worker of `role`; GatewayError(503) when none is registered."""
+        workers = self._candidates(role)
+        if self.routing == "round-robin":
+            return self._take_turn(role, workers)
+        return self._lowest(role, workers, lambda w: self.in_flight(w.id))
+
+    async def cached_blocks(self, prompt_token_ids, cache_salt: str = "") -> dict[str, int] | None:
+        """worker id -> leading blocks of the prompt listed in the directory; None when the
+        directory cannot be read now."""
+        ref = self._reference
+        if ref is None or time.monotonic() < self._directory_down_until:
+            return None
+        hashes = BlockHasher(ref.block_size, ref.hash_seed).hashes(prompt_token_ids,
+                                                                    salt_bytes(cache_salt))
+        ids = [w.id for ws in self._workers.values() for w in ws]
+        try:
+            found = await cached_prefix_blocks(self._directory, ids, hashes)
+        except (aioredis.RedisError, OSError) as exc:
+            if not self._redis_down:
+                log.warning("prefix directory unreadable (%s); routing by load for now", exc)
+            self._directory_down_until = time.monotonic() + 1.0
+            return None
+        return found
+
+    async def route(self, prompt_token_ids=(), cache_salt: str = "") -> Route:
+        """Choose (prefill, decode) for a prompt. When a role has no known worker, Redis is read
+        once more first (a worker may have registered since the last poll)."""
+        if not all(self._workers.values()):
+            await self.refresh()
+        if self.routing != "prefix":
+            decode, prefill = self.pick("decode"), self.pick("prefill")
+            return Route(prefill, decode, self.routing.replace("-", "_"), 0)
+        decodes, prefills = self._candidates("decode"), self._candidates("prefill")
+        cached = await self.cached_blocks(prompt_token_ids, cache_salt)
+        hits = cached or {}
+        bs = self._reference.block_size if self._reference else 1
+        n = len(prompt_token_ids)
+        decode = self._lowest("decode", decodes,
+                              lambda w: (self.in_flight(w.id), -hits.get(w.id, 0)))
+        prefill = self._lowest("prefill", prefills,
+                               lambda w: n - hits.get(w.id, 0) * bs + self.queued_tokens(w.id))
+        cached_tokens = hits.get(prefill.id, 0) * bs
+        reason = "no_directory" if cached is None else "cached_prefix" if cached_tokens else "load"
+        return Route(prefill, decode, reason, cached_tokens)
+
+    async def pick_pair(self) -> tuple[WorkerInfo, WorkerInfo]:
+        """(prefill, decode) by load alone."""
+        route = await self.route()
+        return route.prefill, route.decode
+
+    def queued_tokens(self, worker_id: str) -> int:
+        return self._queued_tokens.get(worker_id, 0)
+
+    @contextlib.contextmanager
+    def prefilling(self, worker: WorkerInfo, tokens: int) -> Iterator[None]:
+        """Count `tokens` of prompt work as queued on a prefill worker while the block runs."""
+        self._queued_tokens[worker.id] = self.queued_tokens(worker.id) + tokens
+        try:
+            yield
+        finally:
+            self._queued_tokens[worker.id] -= tokens
+            if not self._queued_tokens[worker.id]:
+                del self._queued_tokens[worker.id]
 
     def mark_unreachable(self, worker: WorkerInfo, avoid_s: float = 5.0) -> None:
         """Prefer other workers of the role for `avoid_s` (a dead worker stays registered until
@@ -170,14 +293,6 @@ class Router:
         self._avoid_until[worker.id] = time.monotonic() + avoid_s
         log.warning("worker %s at %s is unreachable; avoiding it for %.0f s", worker.id,
                     worker.address, avoid_s)
-
-    async def pick_pair(self) -> tuple[WorkerInfo, WorkerInfo]:
-        """(prefill, decode). When a role has no known worker, Redis is read once more first
-        (a worker may have registered since the last poll). Decode is checked first."""
-        if not all(self._workers.values()):
-            await self.refresh()
-        decode = self.pick("decode")
-        return self.pick("prefill"), decode
 
     @contextlib.contextmanager
     def track(self, *workers: WorkerInfo) -> Iterator[None]:

@@ -24,6 +24,7 @@ from gateway.params import RequestPreparer, ServedModel
 from gateway.pipeline import Pipeline, PipelineConfig
 from gateway.router import CHANNEL_OPTIONS, Router
 from gateway.tokenizer import Tokenizer
+from pdserve.metrics import GatewayMetrics
 from pdserve.paths import resolve_model
 
 log = logging.getLogger(__name__)
@@ -53,10 +54,11 @@ async def serve(args: argparse.Namespace) -> None:
     model_dir = resolve_model(args.model)
     served = served_model(model_dir, args.served_model_name, args.max_model_len)
     preparer = RequestPreparer(Tokenizer(model_dir), served)
-    router = Router(args.redis_url)
+    metrics = GatewayMetrics()
+    router = Router(args.redis_url, routing=args.routing, metrics=metrics)
     pipeline = Pipeline(router, preparer.tokenizer, PipelineConfig(
         local_prefill_max_tokens=args.local_prefill_max_tokens,
-        local_prefill_queue=args.local_prefill_queue))
+        local_prefill_queue=args.local_prefill_queue), metrics)
 
     grpc_server = grpc.aio.server(options=CHANNEL_OPTIONS)
     health = await add_services(grpc_server, preparer, pipeline)

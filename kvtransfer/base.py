@@ -2,7 +2,9 @@
 
 Sender side (prefill): `await sender.send(request_id, kv, src_blocks, target, first_token,
 first_logprob)` copies the KV of `src_blocks` (pool tensor `kv[layer, k_or_v, block, ...]`) into
-the decode worker's `target.block_ids`, in order, then delivers the first token. It returns once
+the decode worker's `target.block_ids`, in order, then delivers the first token. `src_blocks` are
+the prompt's blocks after the first `target.num_cached_blocks` (those the decode worker already
+holds from its prefix cache), so they pair with `target.missing`. It returns once
 the receiver has everything, and raises KVTransferError otherwise.
 
 Receiver side (decode): a KVReceiver writes arriving blocks through a `KVSink`, which the decode
@@ -51,6 +53,11 @@ class TransferTarget:
     engine_id: str
     layout: KVLayout
     block_ids: tuple[int, ...]
+    num_cached_blocks: int = 0    # leading blocks the decode worker holds already: not sent
+
+    @property
+    def missing(self) -> tuple[int, ...]:
+        return self.block_ids[self.num_cached_blocks:]
 
 
 class KVSink(Protocol):

@@ -46,9 +46,9 @@ class GrpcKVSender(KVSender):
                    target: TransferTarget, first_token: int,
                    first_logprob: TokenLogprob | None) -> None:
         check_layout(self.layout, target.layout)
-        if len(src_blocks) != len(target.block_ids):
+        if len(src_blocks) != len(target.missing):
             raise KVTransferError(f"request {request_id}: {len(src_blocks)} source blocks for "
-                                  f"{len(target.block_ids)} destination blocks")
+                                  f"{len(target.missing)} destination blocks")
         call = self._stub(target.address).PushKV(
             self._messages(request_id, kv, src_blocks, target, first_token, first_logprob),
             timeout=self.timeout_s)
@@ -62,13 +62,14 @@ class GrpcKVSender(KVSender):
         n = len(src_blocks)
         step = self.blocks_per_message
         layout = layout_to_pb(self.layout)
+        dst = target.missing
         for i in range(0, max(n, 1), step):
             src = torch.tensor(src_blocks[i:i + step], dtype=torch.long)
             # [layers, 2, len(src), block_size, kv_heads, head_dim], gathered off the loop thread
             data = await asyncio.to_thread(lambda: tensor_to_bytes(kv[:, :, src]))
             last = i + step >= n
             msg = pb.KVChunk(request_id=request_id, layout=layout,
-                             block_ids=list(target.block_ids[i:i + step]), data=data, last=last)
+                             block_ids=list(dst[i:i + step]), data=data, last=last)
             if last:
                 msg.first_token_id = first_token
                 if first_logprob is not None:

@@ -32,12 +32,16 @@ def logprob_from_pb(m: pb.TokenLogprob) -> TokenLogprob:
 
 def target_to_pb(t: TransferTarget) -> pb.KVDescriptor:
     return pb.KVDescriptor(transport=t.transport, address=t.address, engine_id=t.engine_id,
-                           layout=layout_to_pb(t.layout), block_ids=list(t.block_ids))
+                           layout=layout_to_pb(t.layout), block_ids=list(t.block_ids),
+                           num_cached_blocks=t.num_cached_blocks)
 
 
 def target_from_pb(m: pb.KVDescriptor) -> TransferTarget:
+    if m.num_cached_blocks > len(m.block_ids):
+        raise ValueError(f"KV descriptor: {m.num_cached_blocks} cached blocks of "
+                         f"{len(m.block_ids)}")
     return TransferTarget(m.transport, m.address, m.engine_id, layout_from_pb(m.layout),
-                          tuple(m.block_ids))
+                          tuple(m.block_ids), m.num_cached_blocks)
 
 
 def tensor_to_bytes(t: torch.Tensor) -> bytes:

@@ -51,6 +51,10 @@ def _add_worker(p: argparse.ArgumentParser, role: str, port: int) -> None:
                         "a step (0: a quarter of --max-num-batched-tokens)")
     p.add_argument("--max-model-len", type=int, default=0,
                    help="context length limit (0: the model's max_position_embeddings)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="turn the prefix cache off: every prompt is computed in full")
+    p.add_argument("--hash-seed", type=int, default=0,
+                   help="block hash seed; every worker of a deployment must use the same")
     p.add_argument("--kv-transport", default="grpc", help="KV transport name (grpc)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="HTTP port of GET /metrics (Prometheus); default: gRPC port + 100; "
@@ -209,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     up.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     up.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV pool per worker in GiB")
+    up.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                    help="turn the workers' prefix caches off")
     up.add_argument("--log-level", default="INFO")
     up.set_defaults(target="pdserve.launcher:main")
 
@@ -222,6 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--redis-url", default=DEFAULT_REDIS_URL, help="Redis for worker discovery")
     gw.add_argument("--max-model-len", type=int, default=0,
                     help="context length limit (0: the model's max_position_embeddings)")
+    gw.add_argument("--routing", default="prefix", choices=["prefix", "load", "round-robin"],
+                    help="how workers are chosen: prefix (the prefill worker holding the longest "
+                         "cached prefix, weighed against its queue; Redis prefix directory), load "
+                         "(fewest requests in flight) or round-robin")
     gw.add_argument("--local-prefill-max-tokens", type=int, default=0,
                     help="prompts up to this many tokens are computed on the decode worker when "
                          "the prefill worker is busy (conditional disaggregation; 0: never)")

@@ -10,20 +10,46 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST, start_http_server
+from prometheus_client.core import CounterMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5,
                    2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 1024, 2048, 4096)
 
 
+class _ReadCounters:
+    """Counters whose values are read from the engine when scraped (it keeps the totals)."""
+
+    def __init__(self, labels: dict[str, str], read: Callable[[], dict[str, tuple[str, float]]]):
+        self.labels = labels
+        self.read = read
+
+    def collect(self):
+        for name, (doc, value) in self.read().items():
+            family = CounterMetricFamily(name, doc, labels=list(self.labels))
+            family.add_metric(list(self.labels.values()), value)
+            yield family
+
+
 class WorkerMetrics:
-    """Engine metrics of one worker. `load` returns (running, waiting, free_blocks)."""
+    """Engine metrics of one worker. `load` returns (running, waiting, free_blocks);
+    `prefix` returns (query tokens, hit tokens, cached blocks, evictions) of the prefix cache."""
 
     def __init__(self, role: str, worker_id: str, total_blocks: int,
-                 load: Callable[[], tuple[int, int, int]]) -> None:
+                 load: Callable[[], tuple[int, int, int]],
+                 prefix: Callable[[], tuple[int, int, int, int]] | None = None) -> None:
         self.registry = CollectorRegistry()
         labels = {"role": role, "worker": worker_id}
         r = self.registry
+        if prefix is not None:
+            r.register(_ReadCounters(labels, lambda: {
+                "pdserve_prefix_cache_queries_tokens": (
+                    "Prompt tokens looked up in the prefix cache", prefix()[0]),
+                "pdserve_prefix_cache_hits_tokens": (
+                    "Prompt tokens found in the prefix cache", prefix()[1]),
+                "pdserve_prefix_cache_evictions": (
+                    "Cached blocks evicted to make room", prefix()[3]),
+            }))
 
         def gauge(name, doc, fn):
             g = Gauge(name, doc, list(labels), registry=r)
@@ -36,6 +62,9 @@ class WorkerMetrics:
         gauge("pdserve_kv_blocks_free", "Free KV blocks", lambda: load()[2])
         gauge("pdserve_kv_usage_ratio", "Fraction of KV blocks in use",
               lambda: 1.0 - load()[2] / total_blocks)
+        if prefix is not None:
+            gauge("pdserve_prefix_cache_blocks", "Blocks findable by hash (in use or evictable)",
+                  lambda: prefix()[2])
         self.steps = Counter("pdserve_engine_steps", "Engine steps", list(labels),
                              registry=r).labels(**labels)
         self.prompt_tokens = Counter("pdserve_prompt_tokens_computed", "Prompt tokens computed",
@@ -95,6 +124,17 @@ class GatewayMetrics:
         self.in_flight = Gauge("pdserve_requests_in_flight", "Requests being served", registry=r)
         self.routed = Counter("pdserve_routing_decisions", "Where each prompt was computed",
                               ["prefill"], registry=r)
+        self.route_reason = Counter("pdserve_routing_reasons",
+                                    "Why each prefill worker was chosen: cached_prefix (it holds "
+                                    "part of the prompt), load (no cached prefix anywhere), "
+                                    "no_directory (redis unreachable: load only), round_robin",
+                                    ["reason"], registry=r)
+        self.routed_cached = Counter("pdserve_routing_cached_prompt_tokens",
+                                     "Prompt tokens the directory listed as cached on the chosen "
+                                     "prefill worker", registry=r)
+        self.directory_blocks = Gauge("pdserve_prefix_directory_blocks",
+                                      "Block hashes listed in the Redis prefix directory",
+                                      ["worker"], registry=r)
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

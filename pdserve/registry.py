@@ -27,6 +27,14 @@ KEY_PREFIX = "pdserve:worker:"
 ROLES = ("prefill", "decode")
 
 
+async def cancel_task(task: asyncio.Task | None) -> None:
+    """Cancel a background task and wait for it to end. The redis client can swallow a
+    cancellation that lands while it handles a dropped connection, so cancel until it ends."""
+    while task is not None and not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.1)
+
+
 @dataclass(frozen=True)
 class WorkerInfo:
     """What a worker tells the world about itself. Load fields are refreshed by each heartbeat."""
@@ -126,8 +134,7 @@ class WorkerRegistration:
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        await cancel_task(self._task)
         try:
             await self._client.delete(self.key)
         except Exception:

@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdserve.paths import resolve_model
+from pdserve.prefix_directory import DirectoryPublisher
 from pdserve.registry import WorkerInfo, WorkerRegistration
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,8 @@ def build_engine(args, role: str):
                        block_size=args.block_size, num_blocks=args.num_blocks,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                       long_prefill_tokens=args.long_prefill_tokens)
+                       long_prefill_tokens=args.long_prefill_tokens,
+                       enable_prefix_caching=args.prefix_cache, hash_seed=args.hash_seed)
     if cfg.num_blocks == 0:
         import dataclasses
         cfg = dataclasses.replace(cfg, num_blocks=blocks_for_gib(model_cfg, cfg, args.kv_cache_gib))
@@ -103,7 +105,10 @@ async def serve(args, role: str, add_services: Callable) -> None:
     host = args.advertise_host or args.host
     ident = WorkerIdentity(args.worker_id or f"{role}-{host}-{port}", f"{host}:{port}",
                            args.served_model_name or model_dir.name)
-    metrics = WorkerMetrics(role, ident.id, engine.pool.num_blocks, lambda: aengine.load())
+    kvm = engine.kv_manager
+    prefix = (lambda: (kvm.query_tokens, kvm.hit_tokens, kvm.pool.num_cached,
+                       kvm.pool.evictions)) if kvm.hasher is not None else None
+    metrics = WorkerMetrics(role, ident.id, engine.pool.num_blocks, lambda: aengine.load(), prefix)
     aengine = AsyncEngine(engine, on_step=metrics.on_step)
     aengine.start()
     metrics_port = args.metrics_port if args.metrics_port is not None else port + 100
@@ -116,12 +121,16 @@ async def serve(args, role: str, add_services: Callable) -> None:
 
     lay = engine.layout
     info = WorkerInfo(id=ident.id, role=role, address=ident.address, model=ident.served_model,
-                      block_size=lay.block_size, hash_seed=0, dtype=lay.dtype,
+                      block_size=lay.block_size, hash_seed=engine.cfg.hash_seed, dtype=lay.dtype,
                       num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
                       head_dim=lay.head_dim, total_blocks=engine.pool.num_blocks,
                       started_at=time.time())
     reg = WorkerRegistration(args.redis_url, info, load=aengine.load)
     reg.start()
+    publisher = None
+    if kvm.hasher is not None:
+        publisher = DirectoryPublisher(args.redis_url, ident.id, engine.pool.events, reg.ttl_s)
+        publisher.start()
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
     log.info("%s worker %s serving on %s, metrics on http://%s:%d/metrics", role, ident.id,
              ident.address, args.host, metrics_port)
@@ -133,6 +142,8 @@ async def serve(args, role: str, add_services: Callable) -> None:
     await stop.wait()
     log.info("%s worker %s stopping", role, ident.id)
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+    if publisher is not None:
+        await publisher.stop()
     await reg.stop()
     await server.stop(grace=2.0)
     if closer is not None:

@@ -1,8 +1,9 @@
 """The prefill worker's gRPC services.
 
 Prefill(request): queue the prompt in the engine (prefill role: it finishes after the first
-token and keeps its blocks), push the KV blocks into the decode worker's reserved blocks over the
-chosen transport, then free them. Cancellation or any failure frees them too.
+token and keeps its blocks; blocks of a cached prefix are reused), push the KV blocks the decode
+worker lacks into its reserved blocks over the chosen transport, then free them (hashed blocks stay
+cached until evicted). Cancellation or any failure frees them too.
 """
 
 from __future__ import annotations
@@ -33,14 +34,18 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
-        target = target_from_pb(request.destination)
+        try:
+            target = target_from_pb(request.destination)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if target.transport != self.sender.name:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"decode worker wants KV transport {target.transport!r}; this "
                                 f"prefill worker runs {self.sender.name!r}")
         try:
             check_layout(self.layout, target.layout)
-            req = Request(rid, list(request.prompt_token_ids), sampling_from_pb(request.params))
+            req = Request(rid, list(request.prompt_token_ids), sampling_from_pb(request.params),
+                          cache_salt=request.cache_salt)
         except LayoutMismatch as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:
@@ -55,7 +60,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             if out.error:
                 await context.abort(grpc.StatusCode.INTERNAL, out.error)
             t1 = time.perf_counter()
-            blocks = await self.aengine.block_table(rid)
+            blocks = (await self.aengine.block_table(rid))[target.num_cached_blocks:]
             lp = out.new_logprobs[0] if out.new_logprobs else None
             try:
                 await self.sender.send(rid, self.aengine.engine.kv, blocks, target,
@@ -67,7 +72,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             self.aengine.abort_nowait(rid)          # frees the held blocks in every case
         return pb.PrefillReply(first_token_id=out.new_token_ids[0],
                                num_prompt_tokens=req.num_prompt_tokens,
-                               compute_seconds=t1 - t0, transfer_seconds=t2 - t1)
+                               compute_seconds=t1 - t0, transfer_seconds=t2 - t1,
+                               num_cached_tokens=req.num_cached_tokens,
+                               num_blocks_sent=len(blocks))
 
     async def Abort(self, request: pb.AbortRequest, context):
         return pb.AbortReply(found=await self.aengine.abort(request.request_id))

@@ -1,0 +1,197 @@
+"""The prefix directory in Redis: which worker holds which KV blocks (by block hash).
+
+Layout in Redis::
+
+    pdserve:blocks:<worker_id>     set     block hashes (decimal) cached on that worker
+    pdserve:blockseq:<worker_id>   string  sequence number of the last batch applied
+
+Both keys carry the worker registration's TTL and are refreshed by every publish, so the entries
+of a worker that dies disappear with its registration.
+
+Workers publish what their block pool reports (engine.block_pool events: stored / evicted) in
+batches. Each batch carries the next sequence number and is applied by a Lua script only if the
+stored number is exactly one less; otherwise (a batch was lost, Redis restarted or the keys
+expired) the script refuses it and the worker resyncs: it replaces the set with its full list and
+restarts the sequence. The publisher never blocks the worker: Redis being down is logged once and
+the next successful publish resyncs.
+
+The gateway asks, for one prompt's block hashes, how long a leading run each worker holds
+(SMISMEMBER, one pipelined round trip for all workers). Torch-free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import Iterable
+
+import redis.asyncio as aioredis
+
+from engine.block_hash import STORED
+from pdserve.registry import cancel_task
+
+log = logging.getLogger(__name__)
+
+BLOCKS_PREFIX = "pdserve:blocks:"
+SEQ_PREFIX = "pdserve:blockseq:"
+
+# KEYS: set, seq. ARGV: seq, ttl_ms, number of stored hashes, stored..., evicted...
+_APPLY = """
+local cur = redis.call('GET', KEYS[2])
+if (not cur) or (tonumber(cur) + 1 ~= tonumber(ARGV[1])) then return 0 end
+local n = tonumber(ARGV[3])
+for i = 4, 3 + n do redis.call('SADD', KEYS[1], ARGV[i]) end
+for i = 4 + n, #ARGV do redis.call('SREM', KEYS[1], ARGV[i]) end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+
+def blocks_key(worker_id: str) -> str:
+    return BLOCKS_PREFIX + worker_id
+
+
+def seq_key(worker_id: str) -> str:
+    return SEQ_PREFIX + worker_id
+
+
+class DirectoryPublisher:
+    """Mirrors one worker's cached block hashes into Redis.
+
+    `events` is the block pool's event deque (appended by the engine thread, drained here).
+    Call `start()` in the worker's loop and `stop()` at shutdown; `publish()` runs one round
+    (tests call it directly).
+    """
+
+    def __init__(self, redis_url: str, worker_id: str, events: deque, ttl_s: float = 10.0,
+                 interval_s: float = 0.25, chunk: int = 4096) -> None:
+        self.worker_id = worker_id
+        self.events = events
+        self.ttl_ms = int(ttl_s * 1000)
+        self.interval_s = interval_s
+        self.refresh_s = ttl_s / 4
+        self.chunk = chunk
+        self.mirror: set[int] = set()        # every hash stored and not evicted, as drained
+        self.seq = 0
+        self.resyncs = 0
+        self._need_resync = True
+        self._last_write = 0.0
+        self._client = aioredis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._apply = self._client.register_script(_APPLY)
+        self._task: asyncio.Task | None = None
+
+    def _drain(self) -> tuple[list[int], list[int]]:
+        """Fold the pending events into the mirror; the net additions and removals."""
+        added: set[int] = set()
+        removed: set[int] = set()
+        while self.events:
+            kind, h = self.events.popleft()
+            if kind == STORED:
+                self.mirror.add(h)
+                added.add(h)
+                removed.discard(h)
+            else:
+                self.mirror.discard(h)
+                removed.add(h)
+                added.discard(h)
+        return sorted(added), sorted(removed)
+
+    async def publish(self) -> None:
+        """Send the pending changes (or refresh the TTL when due); resync on a gap."""
+        added, removed = self._drain()
+        due = time.monotonic() - self._last_write >= self.refresh_s
+        if not (added or removed or due or self._need_resync):
+            return
+        try:
+            if not self._need_resync:
+                ok = await self._apply(keys=[blocks_key(self.worker_id), seq_key(self.worker_id)],
+                                       args=[self.seq + 1, self.ttl_ms, len(added), *added,
+                                             *removed])
+                if ok:
+                    self.seq += 1
+                else:
+                    log.info("prefix directory: sequence gap for %s at %d; resyncing %d blocks",
+                             self.worker_id, self.seq + 1, len(self.mirror))
+                    self._need_resync = True
+            if self._need_resync:
+                await self._resync()
+            self._last_write = time.monotonic()
+        except (aioredis.RedisError, OSError):
+            self._need_resync = True         # some changes may be lost: resync when back
+            raise
+
+    async def _resync(self) -> None:
+        hashes = sorted(self.mirror)
+        self.seq += 1
+        async with self._client.pipeline(transaction=True) as pipe:
+            pipe.delete(blocks_key(self.worker_id))
+            for i in range(0, len(hashes), self.chunk):
+                pipe.sadd(blocks_key(self.worker_id), *hashes[i:i + self.chunk])
+            pipe.pexpire(blocks_key(self.worker_id), self.ttl_ms)
+            pipe.set(seq_key(self.worker_id), self.seq, px=self.ttl_ms)
+            await pipe.execute()
+        self._need_resync = False
+        self.resyncs += 1
+
+    async def _loop(self) -> None:
+        down = False
+        while True:
+            try:
+                await self.publish()
+                if down:
+                    log.info("prefix directory: redis reachable again; resynced %d blocks",
+                             len(self.mirror))
+                down = False
+            except Exception as exc:   # redis down: keep serving, keep the mirror, retry
+                if not down:
+                    log.warning("prefix directory: cannot publish to redis (%s); retrying", exc)
+                down = True
+            await asyncio.sleep(self.interval_s)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        """Stop publishing and remove this worker's entries (a clean shutdown)."""
+        await cancel_task(self._task)
+        try:
+            await self._client.delete(blocks_key(self.worker_id), seq_key(self.worker_id))
+        except (aioredis.RedisError, OSError):
+            pass
+        await self._client.aclose()
+
+
+async def cached_prefix_blocks(client: aioredis.Redis, worker_ids: Iterable[str],
+                               hashes: list[int]) -> dict[str, int]:
+    """worker id -> how many leading blocks of `hashes` the directory lists for that worker."""
+    ids = list(worker_ids)
+    if not hashes or not ids:
+        return {w: 0 for w in ids}
+    async with client.pipeline(transaction=False) as pipe:
+        for w in ids:
+            pipe.smismember(blocks_key(w), hashes)
+        results = await pipe.execute()
+    out = {}
+    for w, flags in zip(ids, results):
+        n = 0
+        for f in flags:
+            if not f:
+                break
+            n += 1
+        out[w] = n
+    return out
+
+
+async def directory_sizes(client: aioredis.Redis, worker_ids: Iterable[str]) -> dict[str, int]:
+    ids = list(worker_ids)
+    async with client.pipeline(transaction=False) as pipe:
+        for w in ids:
+            pipe.scard(blocks_key(w))
+        return dict(zip(ids, await pipe.execute()))
+
+
+__all__ = ["DirectoryPublisher", "cached_prefix_blocks", "directory_sizes", "blocks_key",
+           "seq_key"]
