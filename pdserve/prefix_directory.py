@@ -21,7 +21,6 @@ The gateway asks, for one prompt's block hashes, how long a leading run each wor
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import deque
@@ -30,7 +29,7 @@ from typing import Iterable
 import redis.asyncio as aioredis
 
 from engine.block_hash import STORED
-from pdserve.registry import cancel_task
+from pdserve.registry import RedisPeriodic
 
 log = logging.getLogger(__name__)
 
@@ -58,20 +57,22 @@ def seq_key(worker_id: str) -> str:
     return SEQ_PREFIX + worker_id
 
 
-class DirectoryPublisher:
+class DirectoryPublisher(RedisPeriodic):
     """Mirrors one worker's cached block hashes into Redis.
 
     `events` is the block pool's event deque (appended by the engine thread, drained here).
-    Call `start()` in the worker's loop and `stop()` at shutdown; `publish()` runs one round
-    (tests call it directly).
+    Call `start()` in the worker's loop and `stop()` at shutdown (which removes this worker's
+    entries); `publish()` runs one round (tests call it directly).
     """
+
+    what = "prefix directory"
 
     def __init__(self, redis_url: str, worker_id: str, events: deque, ttl_s: float = 10.0,
                  interval_s: float = 0.25, chunk: int = 4096) -> None:
+        super().__init__(redis_url, interval_s)
         self.worker_id = worker_id
         self.events = events
         self.ttl_ms = int(ttl_s * 1000)
-        self.interval_s = interval_s
         self.refresh_s = ttl_s / 4
         self.chunk = chunk
         self.mirror: set[int] = set()        # every hash stored and not evicted, as drained
@@ -79,9 +80,10 @@ class DirectoryPublisher:
         self.resyncs = 0
         self._need_resync = True
         self._last_write = 0.0
-        self._client = aioredis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
         self._apply = self._client.register_script(_APPLY)
-        self._task: asyncio.Task | None = None
+
+    def own_keys(self) -> list[str]:
+        return [blocks_key(self.worker_id), seq_key(self.worker_id)]
 
     def _drain(self) -> tuple[list[int], list[int]]:
         """Fold the pending events into the mirror; the net additions and removals."""
@@ -136,32 +138,7 @@ class DirectoryPublisher:
         self._need_resync = False
         self.resyncs += 1
 
-    async def _loop(self) -> None:
-        down = False
-        while True:
-            try:
-                await self.publish()
-                if down:
-                    log.info("prefix directory: redis reachable again; resynced %d blocks",
-                             len(self.mirror))
-                down = False
-            except Exception as exc:   # redis down: keep serving, keep the mirror, retry
-                if not down:
-                    log.warning("prefix directory: cannot publish to redis (%s); retrying", exc)
-                down = True
-            await asyncio.sleep(self.interval_s)
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop())
-
-    async def stop(self) -> None:
-        """Stop publishing and remove this worker's entries (a clean shutdown)."""
-        await cancel_task(self._task)
-        try:
-            await self._client.delete(blocks_key(self.worker_id), seq_key(self.worker_id))
-        except (aioredis.RedisError, OSError):
-            pass
-        await self._client.aclose()
+    tick = publish
 
 
 async def cached_prefix_blocks(client: aioredis.Redis, worker_ids: Iterable[str],

@@ -83,28 +83,77 @@ class WorkerInfo:
                 self.num_kv_heads, self.head_dim)
 
 
-class WorkerRegistration:
+class RedisPeriodic:
+    """A worker's background duty against Redis: `tick()` every interval_s from start() until
+    stop(), which also deletes `own_keys()`. Redis being down is logged once (and once when it is
+    back) and retried; it never stops the worker."""
+
+    what = "redis"
+
+    def __init__(self, redis_url: str, interval_s: float) -> None:
+        self.redis_url = redis_url
+        self.interval_s = interval_s
+        self._task: asyncio.Task | None = None
+        self._client = aioredis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+
+    async def tick(self) -> None:
+        raise NotImplementedError
+
+    def own_keys(self) -> list[str]:
+        return []
+
+    async def _loop(self) -> None:
+        down = False
+        while True:
+            try:
+                await self.tick()
+                if down:
+                    log.info("%s: redis at %s reachable again", self.what, self.redis_url)
+                down = False
+            except Exception as exc:  # redis down: keep serving, keep trying
+                if not down:
+                    log.warning("%s: cannot reach redis at %s (%s); retrying", self.what,
+                                self.redis_url, exc)
+                down = True
+            await asyncio.sleep(self.interval_s)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        await cancel_task(self._task)
+        try:
+            if self.own_keys():
+                await self._client.delete(*self.own_keys())
+        except Exception:
+            pass
+        await self._client.aclose()
+
+
+class WorkerRegistration(RedisPeriodic):
     """Keeps one worker's registration alive: call start(), then stop() on shutdown.
 
     `load` is a zero-argument callable returning (running, waiting, free_blocks); it is read at
-    every heartbeat. Redis being down is logged and retried; it never stops the worker.
+    every heartbeat.
     """
+
+    what = "worker registration"
 
     def __init__(self, redis_url: str, info: WorkerInfo, load=None, ttl_s: float = 10.0,
                  interval_s: float = 2.0) -> None:
         if interval_s >= ttl_s:
             raise ValueError("heartbeat interval must be shorter than the TTL")
-        self.redis_url = redis_url
+        super().__init__(redis_url, interval_s)
         self.info = info
         self.load = load
         self.ttl_s = ttl_s
-        self.interval_s = interval_s
-        self._task: asyncio.Task | None = None
-        self._client = aioredis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
 
     @property
     def key(self) -> str:
         return KEY_PREFIX + self.info.id
+
+    def own_keys(self) -> list[str]:
+        return [self.key]
 
     async def beat(self) -> None:
         info = self.info
@@ -116,30 +165,7 @@ class WorkerRegistration:
             pipe.pexpire(self.key, int(self.ttl_s * 1000))
             await pipe.execute()
 
-    async def _loop(self) -> None:
-        warned = False
-        while True:
-            try:
-                await self.beat()
-                if warned:
-                    log.info("redis reachable again at %s", self.redis_url)
-                warned = False
-            except Exception as exc:  # redis down: keep serving, keep trying
-                if not warned:
-                    log.warning("cannot register in redis at %s: %s", self.redis_url, exc)
-                warned = True
-            await asyncio.sleep(self.interval_s)
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop())
-
-    async def stop(self) -> None:
-        await cancel_task(self._task)
-        try:
-            await self._client.delete(self.key)
-        except Exception:
-            pass
-        await self._client.aclose()
+    tick = beat
 
 
 async def list_workers(client: aioredis.Redis, role: str | None = None) -> list[WorkerInfo]:

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.stack import Stack, wait_until
+from tests.stack import Stack, standard_stack, wait_until
 from tests.test_e2e import hf, hf_greedy, prompt_ids  # noqa: F401  (module fixture)
 
 pytestmark = pytest.mark.slow
@@ -31,21 +31,9 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory):
-    s = Stack(str(model_dir), tmp_path_factory.mktemp("stack"))
-    try:
-        s.start_redis()
-        s.start_worker("prefill", name="prefill-a")
-        s.start_worker("prefill", name="prefill-b")
-        s.start_worker("decode", name="decode")
-        s.start_gateway()
-        s.wait_healthy()
-        wait_until(lambda: _gateway_sees(s, 2), 60, "two prefill workers at the gateway")
+    with standard_stack(model_dir, tmp_path_factory.mktemp("stack"),
+                        prefills=("prefill-a", "prefill-b")) as s:
         yield s
-    except BaseException:
-        print(s.logs())
-        raise
-    finally:
-        s.stop()
 
 
 def _gateway_sees(s: Stack, n: int) -> bool:
