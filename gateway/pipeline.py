@@ -22,7 +22,7 @@ import grpc
 
 from gateway.errors import GatewayError
 from gateway.params import PreparedRequest
-from gateway.router import Router
+from gateway.router import PrefillTicket, Router
 from gateway.tokenizer import Tokenizer
 from pdserve.metrics import GatewayMetrics
 from pdserve.registry import WorkerInfo
@@ -186,7 +186,6 @@ class Pipeline:
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = metrics or GatewayMetrics()
-        self._prefilling: dict[str, int] = {}   # worker id -> this gateway's Prefill calls open
 
     async def generate(self, prepared: PreparedRequest) -> AsyncIterator[Delta]:
         """Yield the request's Deltas; the last one has finish_reason set.
@@ -213,16 +212,19 @@ class Pipeline:
     def _prefill_locally(self, prefill_w: WorkerInfo, prepared: PreparedRequest) -> bool:
         cfg = self.config
         return (0 < len(prepared.prompt_token_ids) <= cfg.local_prefill_max_tokens
-                and self._prefilling.get(prefill_w.id, 0) >= cfg.local_prefill_queue)
+                and self.router.queued_prompts(prefill_w.id) >= cfg.local_prefill_queue)
 
     async def _generate(self, prepared: PreparedRequest) -> AsyncIterator[Delta]:
         route = await self.router.route(prepared.prompt_token_ids, prepared.cache_salt)
         prefill_w, decode_w = route.prefill, route.decode
         local = self._prefill_locally(prefill_w, prepared)
         self.metrics.routed.labels(prefill="decode-local" if local else "prefill-worker").inc()
+        ticket = None
         if not local:
             self.metrics.route_reason.labels(reason=route.reason).inc()
             self.metrics.routed_cached.inc(route.cached_tokens)
+            uncached = len(prepared.prompt_token_ids) - route.cached_tokens
+            ticket = self.router.enqueue_prefill(prefill_w, uncached)
         with self.router.track(*([decode_w] if local else [prefill_w, decode_w])):
             decode = pdserve_pb2_grpc.DecodeWorkerStub(self.router.channel(decode_w.address))
             call = decode.Decode(pdserve_pb2.DecodeRequest(
@@ -233,9 +235,8 @@ class Pipeline:
             try:
                 if not local:
                     reservation = await self._reservation(call, decode_w)
-                    uncached = len(prepared.prompt_token_ids) - route.cached_tokens
                     prefill = asyncio.ensure_future(
-                        self._prefill(prefill_w, prepared, reservation, uncached))
+                        self._prefill(prefill_w, prepared, reservation, ticket))
                 state = _RequestText(self.tokenizer, prepared)
                 while True:
                     event = await self._next_event(call, decode_w, prefill)
@@ -248,6 +249,8 @@ class Pipeline:
             finally:
                 call.cancel()
                 _discard(prefill)
+                if ticket is not None:
+                    ticket.release()
 
     def _failed(self, what: str, worker: WorkerInfo, exc: grpc.aio.AioRpcError) -> GatewayError:
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
@@ -270,20 +273,18 @@ class Pipeline:
 
     async def _prefill(self, worker: WorkerInfo, prepared: PreparedRequest,
                        reservation: pdserve_pb2.KVDescriptor,
-                       uncached_tokens: int) -> pdserve_pb2.PrefillReply:
+                       ticket: PrefillTicket) -> pdserve_pb2.PrefillReply:
         stub = pdserve_pb2_grpc.PrefillWorkerStub(self.router.channel(worker.address))
         request = pdserve_pb2.PrefillRequest(
             request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
             params=prepared.params.to_proto(), destination=reservation,
             cache_salt=prepared.cache_salt)
-        self._prefilling[worker.id] = self._prefilling.get(worker.id, 0) + 1
         try:
-            with self.router.prefilling(worker, uncached_tokens):
-                return await stub.Prefill(request, timeout=self.config.prefill_timeout_s)
+            return await stub.Prefill(request, timeout=self.config.prefill_timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise self._failed("prefill", worker, exc) from None
         finally:
-            self._prefilling[worker.id] -= 1
+            ticket.release()
 
     async def _next_event(self, call, decode_w: WorkerInfo,
                           prefill: asyncio.Task | None) -> pdserve_pb2.DecodeEvent:

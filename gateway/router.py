@@ -60,6 +60,19 @@ def split_by_layout(workers: list[WorkerInfo]) -> tuple[list[WorkerInfo], list[W
     return accepted, refused
 
 
+class PrefillTicket:
+    """A prompt counted in a prefill worker's queue; release() (idempotent) takes it out."""
+
+    def __init__(self, router: "Router", worker_id: str, tokens: int) -> None:
+        self._router, self._worker_id, self._tokens = router, worker_id, tokens
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._router._dequeue(self._worker_id, self._tokens)
+
+
 @dataclass(frozen=True)
 class Route:
     """A routing decision: the workers and why (see GatewayMetrics.route_reason)."""
@@ -93,6 +106,7 @@ class Router:
         self._directory_down_until = 0.0
         self._reference: WorkerInfo | None = None
         self._queued_tokens: dict[str, int] = {}   # prefill worker id -> uncached tokens queued
+        self._queued_prompts: dict[str, int] = {}  # prefill worker id -> prompts queued
         self.empty_grace_s = 6.0
         self._emptied_at: float | None = None
         self._workers: dict[str, list[WorkerInfo]] = {role: [] for role in ROLES}
@@ -276,16 +290,22 @@ class Router:
     def queued_tokens(self, worker_id: str) -> int:
         return self._queued_tokens.get(worker_id, 0)
 
-    @contextlib.contextmanager
-    def prefilling(self, worker: WorkerInfo, tokens: int) -> Iterator[None]:
-        """Count `tokens` of prompt work as queued on a prefill worker while the block runs."""
-        self._queued_tokens[worker.id] = self.queued_tokens(worker.id) + tokens
-        try:
-            yield
-        finally:
-            self._queued_tokens[worker.id] -= tokens
-            if not self._queued_tokens[worker.id]:
-                del self._queued_tokens[worker.id]
+    def queued_prompts(self, worker_id: str) -> int:
+        return self._queued_prompts.get(worker_id, 0)
+
+    def enqueue_prefill(self, worker: WorkerInfo, tokens: int) -> "PrefillTicket":
+        """Count a prompt (`tokens` of work) as queued on a prefill worker from the moment it is
+        routed there (so a burst of arrivals sees the queue it builds) until the ticket is
+        released: when the prefill ends, or the request does."""
+        for table, n in ((self._queued_tokens, tokens), (self._queued_prompts, 1)):
+            table[worker.id] = table.get(worker.id, 0) + n
+        return PrefillTicket(self, worker.id, tokens)
+
+    def _dequeue(self, worker_id: str, tokens: int) -> None:
+        for table, n in ((self._queued_tokens, tokens), (self._queued_prompts, 1)):
+            table[worker_id] -= n
+            if not table[worker_id]:
+                del table[worker_id]
 
     def mark_unreachable(self, worker: WorkerInfo, avoid_s: float = 5.0) -> None:
         """Prefer other workers of the role for `avoid_s` (a dead worker stays registered until

@@ -108,8 +108,11 @@ def test_routing_picks_the_worker_with_the_prefix_and_weighs_load(redis_url):
         hit = await router.route(prompt)
         other = await router.route([1] * 64)                    # nothing cached: by load
         p2 = next(w for w in router.workers("prefill") if w.id == "p2")
-        with router.prefilling(p2, 200):                        # p2 is busy: 16 + 200 > 64
-            busy = await router.route(prompt)
+        ticket = router.enqueue_prefill(p2, 200)                # p2 is busy: 16 + 200 > 64
+        busy = await router.route(prompt)
+        ticket.release()
+        ticket.release()                                        # idempotent
+        assert router.queued_tokens("p2") == 0 == router.queued_prompts("p2")
         await client.aclose()
         return hit, other, busy
 
