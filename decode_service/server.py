@@ -33,9 +33,16 @@ class DecodeSink:
         self.layout: KVLayout = aengine.engine.layout
         self.reservations: dict[str, list[int]] = {}
 
+    @property
+    def pool(self) -> torch.Tensor:
+        return self.aengine.engine.kv
+
     def reserved_blocks(self, request_id: str) -> list[int] | None:
         """The request's blocks a sender may write: never the shared, cached prefix blocks."""
         return self.reservations.get(request_id)
+
+    def expecting(self) -> bool:
+        return bool(self.reservations)
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         kv = self.aengine.engine.kv
@@ -85,7 +92,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                 cached = req.num_cached_blocks        # set by the engine thread on reserve
                 self.sink.reservations[rid] = blocks[cached:]
                 target = TransferTarget(self.receiver.name, self.receiver.address(),
-                                        self.ident.id, self.sink.layout, tuple(blocks), cached)
+                                        self.ident.id, self.sink.layout, tuple(blocks), cached,
+                                        self.receiver.metadata())
                 yield pb.DecodeEvent(reservation=target_to_pb(target))
             while not finished:
                 outs = [await queue.get()]
@@ -98,7 +106,11 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                 finished = outs[-1].finished
                 yield pb.DecodeEvent(tokens=_token_batch(outs))
         finally:
-            self.sink.reservations.pop(rid, None)
+            pending = self.sink.reservations.pop(rid, None)
+            if pending and self.receiver.one_sided:
+                # a one-sided sender may still be writing: keep the blocks out of use
+                self.aengine.pin(pending)
+                self.receiver.quarantine(rid, pending, self.aengine.unpin)
             if not finished:
                 self.aengine.abort_nowait(rid)
             self.aengine.close_stream(rid)

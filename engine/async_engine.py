@@ -57,7 +57,30 @@ class AsyncEngine:
         return q
 
     def close_stream(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+        """Stop delivering the request's outputs; blocks pinned for transfer by outputs not yet
+        read are given back."""
+        q = self._streams.pop(request_id, None)
+        if q is not None:
+            self.drain(q)
+
+    def drain(self, q: asyncio.Queue) -> None:
+        """Discard a request's unread outputs, giving back the blocks they pin for transfer."""
+        while not q.empty():
+            self._unpin_unread(q.get_nowait())
+
+    def pin(self, block_ids: list[int]) -> None:
+        """Take an extra reference on blocks (given back with unpin), without waiting."""
+        if block_ids:
+            self._cmds.put((self.engine.pin, (list(block_ids),), None))
+
+    def unpin(self, block_ids: list[int]) -> None:
+        """Give back transfer references (RequestOutput.kv_blocks), without waiting."""
+        if block_ids:
+            self._cmds.put((self.engine.unpin, (list(block_ids),), None))
+
+    def _unpin_unread(self, out: RequestOutput) -> None:
+        if out.kv_blocks:
+            self.unpin(out.kv_blocks)
 
     async def add(self, req: Request) -> asyncio.Queue:
         """Queue a request for computation; its outputs arrive on the returned queue."""
@@ -149,10 +172,12 @@ class AsyncEngine:
         def deliver():
             for o in outputs:
                 q = self._streams.get(o.request_id)
-                if q is not None:
-                    q.put_nowait(o)
-                    if o.finished:
-                        self._streams.pop(o.request_id, None)
+                if q is None:
+                    self._unpin_unread(o)          # nobody will send these blocks
+                    continue
+                q.put_nowait(o)
+                if o.finished:
+                    self._streams.pop(o.request_id, None)
         self._loop.call_soon_threadsafe(deliver)
 
     def _run_command(self, item) -> None:

@@ -108,6 +108,14 @@ class Engine:
     def release(self, request_id: str) -> None:
         self.scheduler.release(request_id)
 
+    def pin(self, block_ids: list[int]) -> None:
+        """An extra reference on blocks in use, for a transfer that may still touch them."""
+        self.pool.take(block_ids)
+
+    def unpin(self, block_ids: list[int]) -> None:
+        """Give back a transfer reference (pin, or RequestOutput.kv_blocks)."""
+        self.pool.free(block_ids)
+
     def block_table(self, request_id: str) -> list[int]:
         return list(self.kv_manager.block_table(request_id))
 

@@ -73,6 +73,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)   # of full blocks (engine.block_hash)
     num_cached_blocks: int = 0            # leading blocks registered in the prefix cache
     num_cached_tokens: int = 0            # prompt tokens found in the prefix cache at admission
+    num_blocks_streamed: int = 0          # prefill: leading blocks handed out for transfer
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -109,6 +110,10 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob]
     finish_reason: str | None = None      # "stop" (EOS), "length", "prefilled", "abort", "error"
     error: str | None = None
+    # Prefill role: blocks whose KV became final this step, in prompt order (once finished: all
+    # the rest, the partial last block too). Each carries one extra reference for the transfer,
+    # which the receiver of this output gives back (Engine.unpin) once the blocks are sent.
+    kv_blocks: list[int] | None = None
 
     @property
     def finished(self) -> bool:

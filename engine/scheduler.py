@@ -198,6 +198,10 @@ class Scheduler:
             req.num_computed_tokens += s.num_new_tokens
             self.kv.cache_computed_blocks(req)
             if not s.sample:
+                if self.cfg.role == "prefill":
+                    ready = self._blocks_for_transfer(req, final=False)
+                    if ready:
+                        outputs.append(RequestOutput(req.request_id, [], [], kv_blocks=ready))
                 continue
             tok, lp = next(it)
             req.append_token(tok, lp)
@@ -206,10 +210,23 @@ class Scheduler:
                 self.running.remove(req)
                 if self.cfg.role == "prefill":
                     self.held[req.request_id] = req
+                    out.kv_blocks = self._blocks_for_transfer(req, final=True)
                 else:
                     self.kv.free(req.request_id)
             outputs.append(out)
         return outputs
+
+    def _blocks_for_transfer(self, req: Request, final: bool) -> list[int]:
+        """Prefill role: the request's blocks that became final since the last call (all the
+        rest when `final`), each with an extra reference held for the transfer. Streaming
+        survives preemption: blocks already handed out are not handed out again."""
+        table = self.kv.block_table(req.request_id)
+        n = len(table) if final else min(req.num_computed_tokens // self.kv.block_size,
+                                         len(table))
+        ready = table[req.num_blocks_streamed:n]
+        self.kv.pool.take(ready)
+        req.num_blocks_streamed = max(req.num_blocks_streamed, n)
+        return ready
 
     def _check_finish(self, req: Request, toks: list[int], lps: list) -> RequestOutput:
         reason = None

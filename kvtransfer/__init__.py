@@ -6,10 +6,10 @@ Transports register by name (`register_transport`) and are created lazily from a
 PushKV RPC. See kvtransfer.base for the contract.
 """
 
-from kvtransfer.base import (KVReceiver, KVSender, KVSink, KVTransferError, LayoutMismatch,
-                             TransferTarget, check_layout, create_receiver, create_sender,
-                             register_transport, transports)
+from kvtransfer.base import (KVReceiver, KVSender, KVSendStream, KVSink, KVTransferError,
+                             LayoutMismatch, TransferTarget, check_layout, create_receiver,
+                             create_sender, register_transport, transports)
 
-__all__ = ["KVReceiver", "KVSender", "KVSink", "KVTransferError", "LayoutMismatch",
+__all__ = ["KVReceiver", "KVSender", "KVSendStream", "KVSink", "KVTransferError", "LayoutMismatch",
            "TransferTarget", "check_layout", "create_receiver", "create_sender",
            "register_transport", "transports"]

@@ -1,13 +1,16 @@
 """The KV transfer contract.
 
-Sender side (prefill): `await sender.send(request_id, kv, src_blocks, target, first_token,
-first_logprob)` copies the KV of `src_blocks` (pool tensor `kv[layer, k_or_v, block, ...]`) into
-the decode worker's `target.block_ids`, in order, then delivers the first token. `src_blocks` are
-the prompt's blocks after the first `target.num_cached_blocks` (those the decode worker already
-holds from its prefix cache), so they pair with `target.missing`. It returns once
-the receiver has everything, and raises KVTransferError otherwise.
+Sender side (prefill): `stream = sender.open(request_id, kv, target)` starts one request's
+transfer into the decode worker's reserved blocks; `await stream.send(src_blocks, dst_blocks)`
+moves blocks of the pool tensor `kv[layer, k_or_v, block, ...]` as soon as their KV is final (one
+call per prefill chunk, so the transfer overlaps the computation of the next chunk) and returns once
+the source blocks have been read (the caller may then free them); `await stream.finish(first_token,
+first_logprob, src_blocks, dst_blocks)` sends the last blocks, waits until the receiver has every
+block and delivers the first token;
+`await stream.abort()` gives up. Blocks the decode worker already holds (`target.num_cached_blocks`,
+its prefix cache) are never sent. Failures raise KVTransferError.
 
-Receiver side (decode): a KVReceiver writes arriving blocks through a `KVSink`, which the decode
+Receiver side (decode): a KVReceiver lands arriving blocks through a `KVSink`, which the decode
 service implements: it knows which blocks each request reserved, writes into its pool, and is told
 when a request's transfer is complete.
 
@@ -54,6 +57,7 @@ class TransferTarget:
     layout: KVLayout
     block_ids: tuple[int, ...]
     num_cached_blocks: int = 0    # leading blocks the decode worker holds already: not sent
+    metadata: bytes = b""         # transport-specific (KVReceiver.metadata())
 
     @property
     def missing(self) -> tuple[int, ...]:
@@ -68,21 +72,56 @@ class KVSink(Protocol):
     def reserved_blocks(self, request_id: str) -> list[int] | None:
         """Blocks reserved for the request, or None if it is not (or no longer) expected."""
 
+    def expecting(self) -> bool:
+        """Whether some request is waiting for its KV now."""
+
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """data: [num_layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
+
+    @property
+    def pool(self) -> torch.Tensor:
+        """The KV pool itself, for transports that write into it directly."""
 
     async def complete(self, request_id: str, first_token: int,
                        first_logprob: TokenLogprob | None) -> None:
         """All blocks written; the request may start decoding."""
 
 
+class KVSendStream(abc.ABC):
+    """One request's transfer, prefill side. Calls come from one task, in order."""
+
+    @abc.abstractmethod
+    async def send(self, src_blocks: list[int], dst_blocks: list[int]) -> None: ...
+
+    @abc.abstractmethod
+    async def finish(self, first_token: int, first_logprob: TokenLogprob | None,
+                     src_blocks: list[int] = (), dst_blocks: list[int] = ()) -> None:
+        """Send the last blocks (if any) and the first token; wait until the receiver has all."""
+
+    async def abort(self) -> None:
+        pass
+
+
 class KVSender(abc.ABC):
     name: str
 
     @abc.abstractmethod
+    def open(self, request_id: str, kv: torch.Tensor, target: TransferTarget) -> KVSendStream:
+        """Start a transfer; checks the layout first (LayoutMismatch)."""
+
     async def send(self, request_id: str, kv: torch.Tensor, src_blocks: list[int],
                    target: TransferTarget, first_token: int,
-                   first_logprob: TokenLogprob | None) -> None: ...
+                   first_logprob: TokenLogprob | None) -> None:
+        """The whole transfer at once: `src_blocks` pair with `target.missing`."""
+        if len(src_blocks) != len(target.missing):
+            raise KVTransferError(f"request {request_id}: {len(src_blocks)} source blocks for "
+                                  f"{len(target.missing)} destination blocks")
+        stream = self.open(request_id, kv, target)
+        try:
+            await stream.finish(first_token, first_logprob, src_blocks, list(target.missing))
+        except BaseException:
+            await stream.abort()
+            raise
 
     async def close(self) -> None:
         pass
@@ -90,17 +129,31 @@ class KVSender(abc.ABC):
 
 class KVReceiver(abc.ABC):
     name: str
+    # One-sided transports write into the pool without the receiver's involvement: blocks of a
+    # request aborted mid-transfer must stay out of use until the sender is done (quarantine).
+    one_sided = False
+
+    def quarantine(self, request_id: str, block_ids: list[int], release) -> None:
+        release(block_ids)
 
     @abc.abstractmethod
     def address(self) -> str:
         """Endpoint senders use to reach this receiver."""
+
+    def metadata(self) -> bytes:
+        """Transport-specific bytes every TransferTarget of this receiver carries."""
+        return b""
 
     async def close(self) -> None:
         pass
 
 
 # name -> "module:SenderClass:ReceiverClass"; modules are imported only when chosen.
-_TRANSPORTS: dict[str, str] = {"grpc": "kvtransfer.grpc_transport:GrpcKVSender:GrpcKVReceiver"}
+_TRANSPORTS: dict[str, str] = {
+    "grpc": "kvtransfer.grpc_transport:GrpcKVSender:GrpcKVReceiver",
+    "nixl": "kvtransfer.nixl_transport:NixlKVSender:NixlKVReceiver",
+    "torch": "kvtransfer.torch_transport:TorchKVSender:TorchKVReceiver",
+}
 
 
 def register_transport(name: str, spec: str) -> None:

@@ -1,21 +1,23 @@
 """The portable KV transport: a gRPC client stream of KVChunk messages into DecodeWorker.PushKV.
 
 Each message carries up to `blocks_per_message` blocks of every layer, so memory stays bounded
-for long prompts; the last one carries the first token. The decode worker serves PushKV on its
+for long prompts; messages go out as the prefill worker's chunks finish, and the last one carries
+the first token. The decode worker serves PushKV on its
 ordinary gRPC port, so the receiver's address is the worker's address.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import torch
 
 from engine.engine import KVLayout
 from engine.request import TokenLogprob
-from kvtransfer.base import (KVReceiver, KVSender, KVSink, KVTransferError, LayoutMismatch,
-                             TransferTarget, check_layout)
+from kvtransfer.base import (KVReceiver, KVSender, KVSendStream, KVSink, KVTransferError,
+                             LayoutMismatch, TransferTarget, check_layout)
 from kvtransfer.wire import (layout_from_pb, layout_to_pb, logprob_from_pb, logprob_to_pb,
                              tensor_from_bytes, tensor_to_bytes)
 from proto import pdserve_pb2 as pb
@@ -26,11 +28,70 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE),
                    ("grpc.max_receive_message_length", MAX_MESSAGE)]
 
 
+class _GrpcSendStream(KVSendStream):
+    """A PushKV client stream fed from a queue: each send() gathers its blocks off the event
+    loop and queues them as messages of at most `blocks_per_message` blocks."""
+
+    def __init__(self, sender: "GrpcKVSender", request_id: str, kv: torch.Tensor,
+                 target: TransferTarget) -> None:
+        self.request_id = request_id
+        self.kv = kv
+        self.target = target
+        self.step = sender.blocks_per_message
+        self.layout = layout_to_pb(sender.layout)
+        self._out: asyncio.Queue = asyncio.Queue()
+        self._call = sender._stub(target.address).PushKV(self._messages(),
+                                                           timeout=sender.timeout_s)
+        self._result = asyncio.ensure_future(self._finish_call())
+
+    async def _messages(self):
+        while (msg := await self._out.get()) is not None:
+            yield msg
+
+    async def _finish_call(self):
+        try:
+            return await self._call
+        except grpc.aio.AioRpcError as exc:
+            raise KVTransferError(f"KV push to {self.target.address} failed: "
+                                  f"{exc.code().name}: {exc.details()}") from None
+
+    def _failed(self) -> None:
+        if self._result.done():
+            self._result.result()           # raises the call's error
+
+    async def send(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
+        self._failed()
+        for i in range(0, len(src_blocks), self.step):
+            src = torch.tensor(src_blocks[i:i + self.step], dtype=torch.long)
+            # [layers, 2, len(src), block_size, kv_heads, head_dim], gathered off the loop thread
+            data = await asyncio.to_thread(lambda: tensor_to_bytes(self.kv[:, :, src]))
+            self._out.put_nowait(pb.KVChunk(request_id=self.request_id, layout=self.layout,
+                                            block_ids=dst_blocks[i:i + self.step], data=data))
+
+    async def finish(self, first_token: int, first_logprob: TokenLogprob | None,
+                     src_blocks: list[int] = (), dst_blocks: list[int] = ()) -> None:
+        if src_blocks:
+            await self.send(list(src_blocks), list(dst_blocks))
+        msg = pb.KVChunk(request_id=self.request_id, layout=self.layout, last=True,
+                         first_token_id=first_token)
+        if first_logprob is not None:
+            msg.first_logprob.CopyFrom(logprob_to_pb(first_logprob))
+        self._out.put_nowait(msg)
+        self._out.put_nowait(None)
+        await self._result
+
+    async def abort(self) -> None:
+        self._call.cancel()
+        self._result.cancel()
+        with contextlib.suppress(asyncio.CancelledError, KVTransferError):
+            await self._result
+
+
 class GrpcKVSender(KVSender):
     name = "grpc"
 
-    def __init__(self, layout: KVLayout, blocks_per_message: int = 16,
-                 timeout_s: float = 60.0) -> None:
+    def __init__(self, layout: KVLayout, kv: torch.Tensor | None = None,
+                 blocks_per_message: int = 16, timeout_s: float = 600.0) -> None:
         self.layout = layout
         self.blocks_per_message = blocks_per_message
         self.timeout_s = timeout_s
@@ -42,39 +103,9 @@ class GrpcKVSender(KVSender):
             ch = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         return pb_grpc.DecodeWorkerStub(ch)
 
-    async def send(self, request_id: str, kv: torch.Tensor, src_blocks: list[int],
-                   target: TransferTarget, first_token: int,
-                   first_logprob: TokenLogprob | None) -> None:
+    def open(self, request_id: str, kv: torch.Tensor, target: TransferTarget) -> KVSendStream:
         check_layout(self.layout, target.layout)
-        if len(src_blocks) != len(target.missing):
-            raise KVTransferError(f"request {request_id}: {len(src_blocks)} source blocks for "
-                                  f"{len(target.missing)} destination blocks")
-        call = self._stub(target.address).PushKV(
-            self._messages(request_id, kv, src_blocks, target, first_token, first_logprob),
-            timeout=self.timeout_s)
-        try:
-            await call
-        except grpc.aio.AioRpcError as exc:
-            raise KVTransferError(f"KV push to {target.address} failed: "
-                                  f"{exc.code().name}: {exc.details()}") from exc
-
-    async def _messages(self, request_id, kv, src_blocks, target, first_token, first_logprob):
-        n = len(src_blocks)
-        step = self.blocks_per_message
-        layout = layout_to_pb(self.layout)
-        dst = target.missing
-        for i in range(0, max(n, 1), step):
-            src = torch.tensor(src_blocks[i:i + step], dtype=torch.long)
-            # [layers, 2, len(src), block_size, kv_heads, head_dim], gathered off the loop thread
-            data = await asyncio.to_thread(lambda: tensor_to_bytes(kv[:, :, src]))
-            last = i + step >= n
-            msg = pb.KVChunk(request_id=request_id, layout=layout,
-                             block_ids=list(dst[i:i + step]), data=data, last=last)
-            if last:
-                msg.first_token_id = first_token
-                if first_logprob is not None:
-                    msg.first_logprob.CopyFrom(logprob_to_pb(first_logprob))
-            yield msg
+        return _GrpcSendStream(self, request_id, kv, target)
 
     async def close(self) -> None:
         for ch in self._channels.values():

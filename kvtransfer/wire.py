@@ -33,7 +33,8 @@ def logprob_from_pb(m: pb.TokenLogprob) -> TokenLogprob:
 def target_to_pb(t: TransferTarget) -> pb.KVDescriptor:
     return pb.KVDescriptor(transport=t.transport, address=t.address, engine_id=t.engine_id,
                            layout=layout_to_pb(t.layout), block_ids=list(t.block_ids),
-                           num_cached_blocks=t.num_cached_blocks)
+                           num_cached_blocks=t.num_cached_blocks,
+                           transport_metadata=t.metadata)
 
 
 def target_from_pb(m: pb.KVDescriptor) -> TransferTarget:
@@ -41,7 +42,7 @@ def target_from_pb(m: pb.KVDescriptor) -> TransferTarget:
         raise ValueError(f"KV descriptor: {m.num_cached_blocks} cached blocks of "
                          f"{len(m.block_ids)}")
     return TransferTarget(m.transport, m.address, m.engine_id, layout_from_pb(m.layout),
-                          tuple(m.block_ids), m.num_cached_blocks)
+                          tuple(m.block_ids), m.num_cached_blocks, m.transport_metadata)
 
 
 def tensor_to_bytes(t: torch.Tensor) -> bytes:
@@ -54,3 +55,18 @@ def tensor_from_bytes(data: bytes, layout: KVLayout, num_blocks: int) -> torch.T
              layout.head_dim)
     flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     return flat.view(DTYPES[layout.dtype]).view(shape)
+
+
+def completion_to_bytes(request_id: str, layout: KVLayout, first_token: int,
+                        first_logprob: TokenLogprob | None) -> bytes:
+    """The end of a transfer as bytes (a KVChunk without data, last=True), for transports whose
+    control messages are opaque bytes (NIXL notifications, torch.distributed tensors)."""
+    msg = pb.KVChunk(request_id=request_id, layout=layout_to_pb(layout), last=True,
+                     first_token_id=first_token)
+    if first_logprob is not None:
+        msg.first_logprob.CopyFrom(logprob_to_pb(first_logprob))
+    return msg.SerializeToString()
+
+
+def chunk_from_bytes(data: bytes) -> pb.KVChunk:
+    return pb.KVChunk.FromString(data)

@@ -1,9 +1,10 @@
 """The prefill worker's gRPC services.
 
 Prefill(request): queue the prompt in the engine (prefill role: it finishes after the first
-token and keeps its blocks; blocks of a cached prefix are reused), push the KV blocks the decode
-worker lacks into its reserved blocks over the chosen transport, then free them (hashed blocks stay
-cached until evicted). Cancellation or any failure frees them too.
+token and keeps its blocks; blocks of a cached prefix are reused). After every engine step that
+completes blocks of the prompt, those blocks go to the decode worker's reserved blocks over the
+chosen transport while the next chunk computes; the first token follows the last block. Then the
+blocks are freed (hashed blocks stay cached until evicted). Cancellation or any failure frees them too.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         self.aengine = aengine
         self.ident = ident
         self.layout = aengine.engine.layout
-        self.sender = create_sender(transport, self.layout)
+        self.sender = create_sender(transport, self.layout, kv=aengine.engine.kv)
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
@@ -50,31 +51,54 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        num_blocks = -(-req.num_prompt_tokens // self.layout.block_size)
+        if len(target.block_ids) != num_blocks:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the prompt needs {num_blocks} KV blocks; the destination has "
+                                f"{len(target.block_ids)}")
         t0 = time.perf_counter()
+        queue = stream = None
+        done = False
         try:
             try:
                 queue = await self.aengine.add(req)
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            out = await queue.get()
-            if out.error:
-                await context.abort(grpc.StatusCode.INTERNAL, out.error)
-            t1 = time.perf_counter()
-            blocks = (await self.aengine.block_table(rid))[target.num_cached_blocks:]
-            lp = out.new_logprobs[0] if out.new_logprobs else None
-            try:
-                await self.sender.send(rid, self.aengine.engine.kv, blocks, target,
-                                       out.new_token_ids[0], lp)
-            except KVTransferError as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            t2 = time.perf_counter()
+            stream = self.sender.open(rid, self.aengine.engine.kv, target)
+            sent = 0
+            while True:                # each chunk's blocks go while the next chunk computes
+                out = await queue.get()
+                if out.error:
+                    await context.abort(grpc.StatusCode.INTERNAL, out.error)
+                blocks = out.kv_blocks or []
+                skip = min(max(target.num_cached_blocks - sent, 0), len(blocks))
+                src, dst = blocks[skip:], list(target.block_ids[sent + skip:sent + len(blocks)])
+                sent += len(blocks)
+                try:
+                    if out.finished:
+                        t1 = time.perf_counter()
+                        lp = out.new_logprobs[0] if out.new_logprobs else None
+                        await stream.finish(out.new_token_ids[0], lp, src, dst)
+                        done = True
+                        t2 = time.perf_counter()
+                        break
+                    if src:
+                        await stream.send(src, dst)
+                finally:
+                    self.aengine.unpin(blocks)
+        except KVTransferError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         finally:
+            if stream is not None and not done:
+                await stream.abort()
+            if queue is not None:
+                self.aengine.drain(queue)
             self.aengine.abort_nowait(rid)          # frees the held blocks in every case
         return pb.PrefillReply(first_token_id=out.new_token_ids[0],
                                num_prompt_tokens=req.num_prompt_tokens,
                                compute_seconds=t1 - t0, transfer_seconds=t2 - t1,
                                num_cached_tokens=req.num_cached_tokens,
-                               num_blocks_sent=len(blocks))
+                               num_blocks_sent=sent - target.num_cached_blocks)
 
     async def Abort(self, request: pb.AbortRequest, context):
         return pb.AbortReply(found=await self.aengine.abort(request.request_id))

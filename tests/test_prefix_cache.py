@@ -76,7 +76,8 @@ def make_sched(num_blocks=8, role="prefill", budget=64):
 def prefill(s: Scheduler, req: Request):
     s.add(req)
     out = s.schedule()
-    s.update(out, [7] * sum(x.sample for x in out.scheduled), [None])
+    for o in s.update(out, [7] * sum(x.sample for x in out.scheduled), [None]):
+        s.kv.pool.free(o.kv_blocks or [])          # the transfer is done with them
     return out
 
 

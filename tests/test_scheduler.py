@@ -116,10 +116,27 @@ def test_prefill_role_holds_blocks_until_released():
     s, kv = make(role="prefill")
     s.add(Request("a", [1, 2, 3, 4, 5], GREEDY))
     outs = s.update(s.schedule(), [7], [None])
-    assert outs[0].finish_reason == "prefilled"
+    assert outs[0].finish_reason == "prefilled" and outs[0].kv_blocks == [0, 1]
     assert kv.block_table("a") == [0, 1] and "a" in s.held
     s.release("a")
+    assert kv.pool.num_free == kv.pool.num_blocks - 2      # still pinned for the transfer
+    kv.pool.free(outs[0].kv_blocks)
     assert kv.pool.num_free == kv.pool.num_blocks
+
+
+def test_prefill_role_hands_out_each_chunks_blocks_once():
+    s, kv = make(role="prefill", num_blocks=16, budget=6)
+    s.add(Request("a", list(range(1, 15)), GREEDY))     # 14 tokens: chunks of 6, 6, 2
+    got = []
+    while s.has_work():
+        sched = s.schedule()
+        for o in s.update(sched, [7] * sum(x.sample for x in sched.scheduled), [None]):
+            got.append((o.kv_blocks, o.finish_reason))
+    assert got == [([0], None), ([1, 2], None), ([3], "prefilled")]
+    s.release("a")
+    for blocks, _ in got:
+        kv.pool.free(blocks)
+    assert kv.pool.num_free == 16
 
 
 def test_remote_reservation_joins_running_with_first_token():

@@ -1,0 +1,302 @@
+"""The `nixl` transport: the prefill worker WRITEs blocks straight into the decode worker's pool.
+
+The decode worker registers its whole KV pool with a NIXL agent once at start and puts, in every
+KV descriptor it hands out, its agent's metadata and the pool's base address (a NixlPeer). The
+prefill worker (whose own pool is registered once too) computes the address of each destination
+block from that and issues one-sided WRITEs: one per prefill chunk, while the next chunk
+computes. Push rather than pull because the prefill side knows when each chunk's KV is final;
+the decode side does nothing until the last WRITE, which carries a notification with the first
+token (a KVChunk without data, serialized), so there is no extra round trip.
+
+A block of the pool `kv[layer, k_or_v, block, slot, head, dim]` is contiguous per (layer, k_or_v);
+consecutive block ids on both sides are merged into one descriptor, so a transfer has at most
+2 x layers x (runs of consecutive ids) descriptors.
+
+Progress: with NIXL's progress thread off (the default here: it spins a core) both sides progress
+by polling: the sender while it waits for its WRITEs, the receiver from an asyncio task that reads
+notifications (quickly while reservations are open, slowly when idle). CPU memory is "DRAM", CUDA
+memory "VRAM"; the code is the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+
+import torch
+
+from engine.engine import KVLayout
+from engine.request import TokenLogprob
+from kvtransfer.base import (KVReceiver, KVSender, KVSendStream, KVSink, KVTransferError,
+                             TransferTarget, check_layout)
+from kvtransfer.wire import chunk_from_bytes, completion_to_bytes, layout_from_pb, logprob_from_pb
+from proto import pdserve_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+_POLL_BUSY_S = 0.0005
+_POLL_IDLE_S = 0.01
+
+
+def _agent(name: str, progress_thread: bool):
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError as exc:  # pragma: no cover - nixl is a dependency
+        raise KVTransferError("--kv-transport nixl needs the nixl package (pip install "
+                              "nixl==1.5.1)") from exc
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=progress_thread,
+                                              backends=["UCX"]))
+
+
+def _memory(kv: torch.Tensor) -> tuple[str, int]:
+    return ("VRAM", kv.device.index or 0) if kv.is_cuda else ("DRAM", 0)
+
+
+def block_regions(base: int, num_blocks: int, layout: KVLayout, elem: int,
+                  block_ids: list[int]) -> list[tuple[int, int]]:
+    """(address, bytes) of `block_ids` in a pool at `base` with `num_blocks` blocks, every layer
+    and K/V, consecutive ids merged. Regions are ordered (layer, k_or_v, run)."""
+    block_bytes = layout.block_size * layout.num_kv_heads * layout.head_dim * elem
+    runs: list[tuple[int, int]] = []
+    for _, group in itertools.groupby(enumerate(block_ids), key=lambda t: t[1] - t[0]):
+        ids = [b for _, b in group]
+        runs.append((ids[0], len(ids)))
+    out = []
+    for plane in range(layout.num_layers * 2):
+        plane_base = base + plane * num_blocks * block_bytes
+        out.extend((plane_base + first * block_bytes, n * block_bytes) for first, n in runs)
+    return out
+
+
+def _paired_runs(src: list[int], dst: list[int]) -> list[tuple[list[int], list[int]]]:
+    """Split (src, dst) pairs where either side stops being consecutive, so each piece merges
+    into one region per plane on both sides."""
+    pieces: list[tuple[list[int], list[int]]] = []
+    for s, d in zip(src, dst):
+        if pieces and s == pieces[-1][0][-1] + 1 and d == pieces[-1][1][-1] + 1:
+            pieces[-1][0].append(s)
+            pieces[-1][1].append(d)
+        else:
+            pieces.append(([s], [d]))
+    return pieces
+
+
+class _NixlSendStream(KVSendStream):
+    def __init__(self, sender: "NixlKVSender", request_id: str, target: TransferTarget,
+                 peer: pb.NixlPeer, remote: str) -> None:
+        self.sender = sender
+        self.request_id = request_id
+        self.target = target
+        self.peer = peer
+        self.remote = remote
+        self._handles: list = []
+
+    def _descs(self, src: list[int], dst: list[int]):
+        s, elem = self.sender, self.sender.elem
+        local, remote = [], []
+        for src_run, dst_run in _paired_runs(src, dst):
+            local += block_regions(s.base, s.num_blocks, s.layout, elem, src_run)
+            remote += block_regions(self.peer.base_address, self.peer.num_blocks, s.layout, elem,
+                                    dst_run)
+        mem, dev = s.memory
+        agent = s.agent
+        return (agent.get_xfer_descs([(a, n, dev) for a, n in local], mem),
+                agent.get_xfer_descs([(a, n, self.peer.device_id) for a, n in remote],
+                                     self.peer.memory_type))
+
+    async def _write(self, src: list[int], dst: list[int], notif: bytes = b"") -> None:
+        agent = self.sender.agent
+        local, remote = self._descs(src, dst)
+        try:
+            handle = agent.initialize_xfer("WRITE", local, remote, self.remote, notif)
+            state = agent.transfer(handle)
+        except Exception as exc:      # nixl raises its own error types
+            raise KVTransferError(f"NIXL write to {self.target.engine_id} failed: {exc}") from exc
+        self._handles.append(handle)
+        if state == "ERR":
+            raise KVTransferError(f"NIXL write to {self.target.engine_id} failed to start")
+        await self._wait()
+
+    async def _wait(self) -> None:
+        """Until every WRITE so far is done (the source blocks may then be reused)."""
+        agent = self.sender.agent
+        deadline = time.monotonic() + self.sender.timeout_s
+        while self._handles:
+            state = agent.check_xfer_state(self._handles[0])
+            if state == "DONE":
+                agent.release_xfer_handle(self._handles.pop(0))
+                continue
+            if state == "ERR":
+                raise KVTransferError(f"NIXL write to {self.target.engine_id} failed")
+            if time.monotonic() > deadline:
+                raise KVTransferError(f"NIXL write to {self.target.engine_id} did not complete "
+                                      f"within {self.sender.timeout_s:g} s")
+            await asyncio.sleep(_POLL_BUSY_S)
+
+    async def send(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
+        await self._write(list(src_blocks), list(dst_blocks))
+
+    async def finish(self, first_token: int, first_logprob: TokenLogprob | None,
+                     src_blocks: list[int] = (), dst_blocks: list[int] = ()) -> None:
+        done = completion_to_bytes(self.request_id, self.sender.layout, first_token,
+                                   first_logprob)
+        if src_blocks:       # the notification travels with the last WRITE, after its data
+            await self._write(list(src_blocks), list(dst_blocks), done)
+        else:
+            try:
+                self.sender.agent.send_notif(self.remote, done)
+            except Exception as exc:
+                raise KVTransferError(f"NIXL notification to {self.target.engine_id} failed: "
+                                      f"{exc}") from exc
+
+    async def abort(self) -> None:
+        """Let WRITEs in flight end, then tell the decode worker no more will come for this
+        request, so it can reuse the blocks it kept aside (NixlKVReceiver.quarantine)."""
+        try:
+            await self._wait()
+        except KVTransferError:
+            pass
+        finally:
+            self._handles.clear()
+        try:
+            notice = pb.KVChunk(request_id=self.request_id, last=False).SerializeToString()
+            self.sender.agent.send_notif(self.remote, notice)
+        except Exception:       # the decode worker is gone: its lease frees the blocks
+            pass
+
+
+class NixlKVSender(KVSender):
+    name = "nixl"
+
+    def __init__(self, layout: KVLayout, kv: torch.Tensor, progress_thread: bool = False,
+                 timeout_s: float = 60.0) -> None:
+        self.layout = layout
+        self.kv = kv
+        self.timeout_s = timeout_s
+        self.agent = _agent(f"pdserve-prefill-{os.getpid()}-{id(self):x}", progress_thread)
+        self._registration = self.agent.register_memory(kv)
+        self.base = kv.data_ptr()
+        self.num_blocks = kv.shape[2]
+        self.elem = kv.element_size()
+        self.memory = _memory(kv)
+        self._remotes: dict[str, str] = {}       # agent name -> name nixl knows it by
+
+    def open(self, request_id: str, kv: torch.Tensor, target: TransferTarget) -> KVSendStream:
+        check_layout(self.layout, target.layout)
+        if kv.data_ptr() != self.base:
+            raise KVTransferError("the nixl sender registered another KV pool")
+        try:
+            peer = pb.NixlPeer.FromString(target.metadata)
+        except Exception as exc:
+            raise KVTransferError(f"bad NIXL metadata from {target.engine_id}: {exc}") from exc
+        if not peer.agent_name:
+            raise KVTransferError(f"decode worker {target.engine_id} sent no NIXL metadata "
+                                  "(does it run --kv-transport nixl?)")
+        remote = self._remotes.get(peer.agent_name)
+        if remote is None:
+            loaded = self.agent.add_remote_agent(peer.agent_metadata)
+            remote = loaded.decode() if isinstance(loaded, bytes) else loaded
+            self._remotes[peer.agent_name] = remote
+        return _NixlSendStream(self, request_id, target, peer, remote)
+
+    async def close(self) -> None:
+        for remote in self._remotes.values():
+            try:
+                self.agent.remove_remote_agent(remote)
+            except Exception:
+                pass
+        self.agent.deregister_memory(self._registration)
+
+
+class NixlKVReceiver(KVReceiver):
+    """Registers the decode worker's pool; completes requests from NIXL notifications."""
+
+    name = "nixl"
+
+    def __init__(self, sink: KVSink, address: str, progress_thread: bool = False,
+                 lease_s: float = 60.0) -> None:
+        self.sink = sink
+        self._address = address
+        self.lease_s = lease_s
+        self._quarantined: dict[str, tuple[list[int], object, float]] = {}
+        kv = sink.pool
+        self.agent_name = f"pdserve-decode-{address}-{os.getpid()}"
+        self.agent = _agent(self.agent_name, progress_thread)
+        self._registration = self.agent.register_memory(kv)
+        mem, dev = _memory(kv)
+        self._metadata = pb.NixlPeer(agent_name=self.agent_name,
+                                     agent_metadata=self.agent.get_agent_metadata(),
+                                     base_address=kv.data_ptr(), num_blocks=kv.shape[2],
+                                     device_id=dev, memory_type=mem).SerializeToString()
+        self._task = asyncio.get_running_loop().create_task(self._poll())
+
+    one_sided = True
+
+    def address(self) -> str:
+        return self._address
+
+    def metadata(self) -> bytes:
+        return self._metadata
+
+    def quarantine(self, request_id: str, block_ids: list[int], release) -> None:
+        """A request whose transfer may still be writing was aborted: its blocks stay out of
+        use (the caller pinned them) until the sender says it is done with them (completion or
+        abort notice), or `lease_s` passes. `release(block_ids)` gives them back."""
+        self._quarantined[request_id] = (block_ids, release, time.monotonic() + self.lease_s)
+
+    def _release(self, request_id: str, why: str) -> None:
+        entry = self._quarantined.pop(request_id, None)
+        if entry is not None:
+            blocks, release, _ = entry
+            release(blocks)
+            if why != "notified":
+                log.warning("request %s: %d KV blocks kept aside after an abort are reused now "
+                            "(%s)", request_id, len(blocks), why)
+
+    async def _poll(self) -> None:
+        while True:
+            try:
+                notifs = self.agent.get_new_notifs()
+            except Exception:
+                log.exception("reading NIXL notifications failed")
+                notifs = {}
+            for messages in notifs.values():
+                for msg in messages:
+                    await self._notified(msg)
+            now = time.monotonic()
+            for rid in [r for r, (_, _, until) in self._quarantined.items() if until < now]:
+                self._release(rid, f"no word from the sender within {self.lease_s:g} s")
+            busy = self.sink.expecting() or self._quarantined
+            await asyncio.sleep(_POLL_BUSY_S if busy else _POLL_IDLE_S)
+
+    async def _notified(self, msg: bytes) -> None:
+        try:
+            chunk = chunk_from_bytes(msg)
+        except Exception as exc:
+            log.warning("ignoring a NIXL notification that is not a KV message: %s", exc)
+            return
+        self._release(chunk.request_id, "notified")
+        if not chunk.last:
+            return                               # the sender's abort notice
+        try:
+            check_layout(self.sink.layout, layout_from_pb(chunk.layout))
+        except KVTransferError as exc:
+            log.warning("request %s: %s", chunk.request_id, exc)
+            return
+        if self.sink.reserved_blocks(chunk.request_id) is None:
+            return                               # aborted meanwhile
+        lp = logprob_from_pb(chunk.first_logprob) if chunk.HasField("first_logprob") else None
+        await self.sink.complete(chunk.request_id, chunk.first_token_id, lp)
+
+    async def close(self) -> None:
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+        for rid in list(self._quarantined):
+            self._release(rid, "shutting down")
+        self.agent.deregister_memory(self._registration)

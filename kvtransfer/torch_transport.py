@@ -1,0 +1,242 @@
+"""The `torch` transport: torch.distributed point-to-point send/recv, gloo on CPUs, NCCL on GPUs.
+
+Workers come and go, so there is no global process group: each (prefill, decode) pair gets a
+two-rank group of its own. The decode worker runs a TCPStore (its address is the receiver's
+address); a prefill worker that first sends to it takes a channel number from the store
+(`add`), announces a channel id under it, and both build a group (each on a thread of its own:
+the rendezvous blocks) over a PrefixStore of that id
+(prefill rank 0, decode rank 1). The decode worker listens for announcements on one thread and
+receives on one thread per channel.
+
+On a channel, one message is three sends: a header [meta bytes, blocks], the meta (a KVChunk
+without data: request id, layout, destination block ids, `last` with the first token), then the
+blocks' data [layers, 2, blocks, block_size, kv_heads, head_dim] if any. A channel's messages go
+out from one thread, in order; messages of several requests interleave whole. The receiver checks
+every message against the request's reservation before writing (two-sided: a late message of an
+aborted request is dropped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import datetime
+import itertools
+import logging
+import os
+import socket
+import threading
+
+import torch
+import torch.distributed as dist
+
+from engine.config import DTYPES
+from engine.engine import KVLayout
+from engine.request import TokenLogprob
+from kvtransfer.base import (KVReceiver, KVSender, KVSendStream, KVSink, KVTransferError,
+                             TransferTarget, check_layout)
+from kvtransfer.wire import layout_from_pb, layout_to_pb, logprob_from_pb, logprob_to_pb
+from proto import pdserve_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+HEADER = 2          # int64s: meta length, number of blocks
+
+
+def _client(address: str, timeout_s: float) -> dist.TCPStore:
+    """A connection of its own to a store (one connection serves one blocking call at a time)."""
+    host, port = address.rsplit(":", 1)
+    return dist.TCPStore(host, int(port), is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _group(store, channel: str, rank: int, device: torch.device, timeout_s: float):
+    prefixed = dist.PrefixStore(f"pdserve/kv/{channel}", store)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        return dist.ProcessGroupNCCL(prefixed, rank, 2, dist.ProcessGroupNCCL.Options())
+    return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+
+
+class _Channel:
+    """Prefill side of one pair group: a single thread sends, so messages stay whole."""
+
+    def __init__(self, address: str, sender_id: str, device: torch.device, timeout_s: float):
+        self.address = address
+        self.sender_id = sender_id
+        self.device = device
+        self.timeout_s = timeout_s
+        self.group = None
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-send")
+        self.broken: Exception | None = None
+
+    def _connect(self) -> None:
+        """On the channel's thread (the group's rendezvous blocks until the receiver joins)."""
+        self.store = _client(self.address, self.timeout_s)
+        n = self.store.add("channels", 1) - 1
+        channel = f"{self.sender_id}-{n}"
+        self.store.set(f"channel/{n}", channel)
+        self.group = _group(self.store, channel, 0, self.device, self.timeout_s)
+
+    def send(self, meta: bytes, data: torch.Tensor | None) -> None:
+        if self.group is None:
+            self._connect()
+        n = 0 if data is None else data.shape[2]
+        header = torch.tensor([len(meta), n], dtype=torch.int64)
+        self.group.send([header], 1, 0).wait()
+        self.group.send([torch.frombuffer(bytearray(meta), dtype=torch.uint8)], 1, 0).wait()
+        if data is not None:
+            self.group.send([data], 1, 0).wait()
+
+
+class _TorchSendStream(KVSendStream):
+    def __init__(self, sender: "TorchKVSender", channel: _Channel, request_id: str,
+                 kv: torch.Tensor, target: TransferTarget) -> None:
+        self.sender = sender
+        self.channel = channel
+        self.request_id = request_id
+        self.kv = kv
+        self.target = target
+
+    async def _message(self, msg: pb.KVChunk, src_blocks: list[int]) -> None:
+        ch = self.channel
+        if ch.broken is not None:
+            raise KVTransferError(f"torch.distributed channel to {ch.address} is broken: "
+                                  f"{ch.broken}")
+
+        def run():
+            data = None
+            if src_blocks:
+                index = torch.tensor(src_blocks, dtype=torch.long, device=self.kv.device)
+                data = self.kv.index_select(2, index)
+            ch.send(msg.SerializeToString(), data)
+        try:
+            await asyncio.get_running_loop().run_in_executor(ch.pool, run)
+        except Exception as exc:
+            ch.broken = exc
+            self.sender.drop(ch)
+            raise KVTransferError(f"torch.distributed send to {ch.address} failed: {exc}") from exc
+
+    def _chunk(self, dst_blocks) -> pb.KVChunk:
+        return pb.KVChunk(request_id=self.request_id, layout=layout_to_pb(self.sender.layout),
+                          block_ids=list(dst_blocks))
+
+    async def send(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
+        await self._message(self._chunk(dst_blocks), list(src_blocks))
+
+    async def finish(self, first_token: int, first_logprob: TokenLogprob | None,
+                     src_blocks: list[int] = (), dst_blocks: list[int] = ()) -> None:
+        msg = self._chunk(dst_blocks)
+        msg.last = True
+        msg.first_token_id = first_token
+        if first_logprob is not None:
+            msg.first_logprob.CopyFrom(logprob_to_pb(first_logprob))
+        await self._message(msg, list(src_blocks))
+
+
+class TorchKVSender(KVSender):
+    name = "torch"
+
+    def __init__(self, layout: KVLayout, kv: torch.Tensor, timeout_s: float = 30.0) -> None:
+        self.layout = layout
+        self.device = kv.device
+        self.timeout_s = timeout_s
+        self.id = f"{socket.gethostname()}-{os.getpid()}-{id(self):x}"
+        self._channels: dict[str, _Channel] = {}
+
+    def drop(self, channel: _Channel) -> None:
+        if self._channels.get(channel.address) is channel:
+            del self._channels[channel.address]
+        channel.pool.shutdown(wait=False)
+
+    def open(self, request_id: str, kv: torch.Tensor, target: TransferTarget) -> KVSendStream:
+        check_layout(self.layout, target.layout)
+        ch = self._channels.get(target.address)
+        if ch is None:
+            ch = _Channel(target.address, self.id, self.device, self.timeout_s)
+            self._channels[target.address] = ch
+        return _TorchSendStream(self, ch, request_id, kv, target)
+
+    async def close(self) -> None:
+        for ch in list(self._channels.values()):
+            self.drop(ch)
+
+
+class TorchKVReceiver(KVReceiver):
+    """Owns the TCPStore senders meet at; one receive thread per channel."""
+
+    name = "torch"
+
+    def __init__(self, sink: KVSink, address: str, timeout_s: float = 30.0) -> None:
+        self.sink = sink
+        self.timeout_s = timeout_s
+        self.loop = asyncio.get_running_loop()
+        host = address.rsplit(":", 1)[0]
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=timeout_s))
+        self._address = f"{host}:{self.store.port}"
+        self.layout = sink.layout
+        self._closed = threading.Event()
+        threading.Thread(target=self._accept, name="kv-accept", daemon=True).start()
+
+    def address(self) -> str:
+        return self._address
+
+    def _accept(self) -> None:
+        store = _client(self._address, self.timeout_s)
+        for n in itertools.count():
+            channel = None
+            while channel is None and not self._closed.is_set():
+                try:
+                    channel = store.get(f"channel/{n}").decode()
+                except Exception:          # the store's wait timed out: keep listening
+                    continue
+            if self._closed.is_set():
+                return
+            threading.Thread(target=self._receive, args=(channel,), name=f"kv-recv-{n}",
+                             daemon=True).start()
+
+    def _receive(self, channel: str) -> None:
+        try:
+            group = _group(_client(self._address, self.timeout_s), channel, 1,
+                           self.sink.pool.device, self.timeout_s)
+        except Exception:
+            log.exception("torch.distributed channel %s: group setup failed", channel)
+            return
+        lay = self.layout
+        while not self._closed.is_set():
+            try:
+                header = torch.zeros(HEADER, dtype=torch.int64)
+                group.recv([header], 0, 0).wait()
+                meta = torch.empty(int(header[0]), dtype=torch.uint8)
+                group.recv([meta], 0, 0).wait()
+                data = None
+                if int(header[1]):
+                    data = torch.empty((lay.num_layers, 2, int(header[1]), lay.block_size,
+                                        lay.num_kv_heads, lay.head_dim), dtype=DTYPES[lay.dtype],
+                                       device=self.sink.pool.device)
+                    group.recv([data], 0, 0).wait()
+            except Exception as exc:      # the sender went away (or timed out): end the channel
+                log.info("torch.distributed channel %s closed: %s", channel, exc)
+                return
+            chunk = pb.KVChunk.FromString(meta.numpy().tobytes())
+            asyncio.run_coroutine_threadsafe(self._land(chunk, data), self.loop).result()
+
+    async def _land(self, chunk: pb.KVChunk, data: torch.Tensor | None) -> None:
+        try:
+            check_layout(self.layout, layout_from_pb(chunk.layout))
+        except KVTransferError as exc:
+            log.warning("request %s: %s", chunk.request_id, exc)
+            return
+        reserved = self.sink.reserved_blocks(chunk.request_id)
+        ids = list(chunk.block_ids)
+        if reserved is None or not set(ids) <= set(reserved):
+            return                                # aborted meanwhile, or not ours: drop it
+        if data is not None:
+            await asyncio.to_thread(self.sink.write_blocks, ids, data)
+        if chunk.last:
+            lp = logprob_from_pb(chunk.first_logprob) if chunk.HasField("first_logprob") else None
+            await self.sink.complete(chunk.request_id, chunk.first_token_id, lp)
+
+    async def close(self) -> None:
+        self._closed.set()

@@ -1,0 +1,180 @@
+"""Each KV transport moves real blocks between two pools (one process, one event loop; the
+receivers' own threads and NIXL agents are real): data lands in the reserved blocks, the first
+token arrives last, layouts are checked, late data of an aborted request is kept out."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import pytest
+import torch
+
+from engine.engine import KVLayout
+from engine.request import TokenLogprob
+from kvtransfer import (KVTransferError, LayoutMismatch, TransferTarget, create_receiver,
+                        create_sender)
+from proto import pdserve_pb2_grpc as pb_grpc
+from tests.conftest import free_port
+
+LAYOUT = KVLayout("float32", 4, 2, 2, 8)
+TRANSPORTS = ["grpc", "torch", "nixl"]
+
+
+def pool(num_blocks: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads,
+                       LAYOUT.head_dim, generator=g)
+
+
+class Sink:
+    """The decode side's KVSink, as the decode service implements it, without an engine."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.layout = LAYOUT
+        self.kv = torch.zeros_like(pool(num_blocks, 0))
+        self.reservations: dict[str, list[int]] = {}
+        self.completed: dict[str, tuple[int, TokenLogprob | None]] = {}
+        self.done = asyncio.Event()
+
+    @property
+    def pool(self) -> torch.Tensor:
+        return self.kv
+
+    def reserved_blocks(self, request_id):
+        return self.reservations.get(request_id)
+
+    def expecting(self) -> bool:
+        return bool(self.reservations)
+
+    def write_blocks(self, block_ids, data):
+        self.kv[:, :, torch.tensor(block_ids)] = data
+
+    async def complete(self, request_id, first_token, first_logprob):
+        self.reservations.pop(request_id)
+        self.completed[request_id] = (first_token, first_logprob)
+        self.done.set()
+
+
+class PushKVOnly(pb_grpc.DecodeWorkerServicer):
+    def __init__(self, receiver) -> None:
+        self.receiver = receiver
+
+    async def PushKV(self, request_iterator, context):
+        return await self.receiver.push_kv(request_iterator, context)
+
+
+@contextlib.asynccontextmanager
+async def endpoints(name: str, sink: Sink, src: torch.Tensor):
+    address = f"127.0.0.1:{free_port()}"
+    server = None
+    receiver = create_receiver(name, sink, address=address)
+    if name == "grpc":
+        server = grpc.aio.server()
+        pb_grpc.add_DecodeWorkerServicer_to_server(PushKVOnly(receiver), server)
+        server.add_insecure_port(address)
+        await server.start()
+    sender = create_sender(name, LAYOUT, kv=src)
+    try:
+        yield sender, receiver
+    finally:
+        await sender.close()
+        await receiver.close()
+        if server is not None:
+            await server.stop(None)
+
+
+def target(receiver, blocks, cached=0, layout=LAYOUT) -> TransferTarget:
+    return TransferTarget(receiver.name, receiver.address(), "d1", layout, tuple(blocks), cached,
+                          receiver.metadata())
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_blocks_land_in_the_reserved_blocks_in_chunks(name):
+    src = pool(16, seed=1)
+
+    async def body():
+        sink = Sink(24)
+        async with endpoints(name, sink, src) as (sender, receiver):
+            dst = [20, 3, 4, 5, 11]                     # the first one is cached on the receiver
+            sink.reservations["r1"] = dst[1:]
+            stream = sender.open("r1", src, target(receiver, dst, cached=1))
+            await stream.send([7, 8], [3, 4])           # chunk 1 (src blocks 6 is the cached one)
+            await stream.send([9], [5])                 # chunk 2
+            await stream.finish(42, TokenLogprob(42, -0.5, [(42, -0.5), (7, -1.5)]), [2], [11])
+            await asyncio.wait_for(sink.done.wait(), 10)
+            # the whole transfer at once through the convenience API
+            sink.done.clear()
+            sink.reservations["r2"] = [0, 1]
+            await sender.send("r2", src, [12, 13], target(receiver, [0, 1]), 9, None)
+            await asyncio.wait_for(sink.done.wait(), 10)
+        return sink
+
+    sink = asyncio.run(body())
+    for s, d in [(7, 3), (8, 4), (9, 5), (2, 11), (12, 0), (13, 1)]:
+        assert torch.equal(sink.kv[:, :, d], src[:, :, s]), (s, d)
+    assert sink.kv[:, :, 20].abs().sum() == 0           # the cached block is never written
+    first, lp = sink.completed["r1"]
+    assert first == 42 and lp.logprob == pytest.approx(-0.5) and lp.top[1] == (7, -1.5)
+    assert sink.completed["r2"] == (9, None)
+
+
+@pytest.mark.parametrize("name", TRANSPORTS)
+def test_a_layout_mismatch_is_refused_before_any_byte_moves(name):
+    src = pool(8, 2)
+
+    async def body():
+        async with endpoints(name, Sink(8), src) as (sender, receiver):
+            other = KVLayout("float32", 8, 2, 2, 8)
+            with pytest.raises(LayoutMismatch, match="block_size: ours 4 vs theirs 8"):
+                sender.open("r", src, target(receiver, [0], layout=other))
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("name", ["grpc", "torch"])
+def test_data_for_a_request_no_longer_reserved_is_dropped(name):
+    src = pool(8, seed=3)
+
+    async def body():
+        sink = Sink(8)
+        async with endpoints(name, sink, src) as (sender, receiver):
+            sink.reservations["gone"] = [1]
+            stream = sender.open("gone", src, target(receiver, [1]))
+            del sink.reservations["gone"]               # aborted on the decode side
+            try:
+                await stream.finish(5, None, [2], [1])
+            except KVTransferError:
+                pass                                    # grpc says NOT_FOUND; torch drops it
+            await asyncio.sleep(0.2)
+        return sink
+
+    sink = asyncio.run(body())
+    assert sink.kv.abs().sum() == 0 and not sink.completed
+
+
+def test_nixl_keeps_aborted_blocks_aside_until_the_sender_is_done():
+    src = pool(8, seed=4)
+
+    async def body():
+        sink = Sink(8)
+        released = []
+        async with endpoints("nixl", sink, src) as (sender, receiver):
+            sink.reservations["r"] = [1, 2]
+            stream = sender.open("r", src, target(receiver, [1, 2]))
+            await stream.send([3], [1])
+            del sink.reservations["r"]                  # the client went away
+            receiver.quarantine("r", [1, 2], released.extend)
+            assert not released
+            await stream.abort()                        # the sender's notice frees them
+            for _ in range(200):
+                if released:
+                    break
+                await asyncio.sleep(0.01)
+            receiver.lease_s = 0.0                      # and a silent sender's lease runs out
+            receiver.quarantine("r2", [5], released.extend)
+            await asyncio.sleep(0.1)
+        return released
+
+    assert asyncio.run(body()) == [1, 2, 5]
