@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 import torch
@@ -16,8 +17,9 @@ import torch
 from engine.async_engine import AsyncEngine
 from engine.engine import KVLayout
 from engine.request import Request, RequestOutput, TokenLogprob
-from kvtransfer import TransferTarget, create_receiver
+from kvtransfer import TransferTarget, block_bytes, create_receiver
 from kvtransfer.wire import logprob_to_pb, target_to_pb
+from pdserve.metrics import TransferMetrics, WorkerMetrics
 from pdserve.worker import WorkerIdentity, sampling_from_pb, serve, worker_stats
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -28,14 +30,25 @@ log = logging.getLogger(__name__)
 class DecodeSink:
     """Where received KV lands: this worker's pool, for blocks reserved by Decode streams."""
 
-    def __init__(self, aengine: AsyncEngine) -> None:
+    def __init__(self, aengine: AsyncEngine, transfers: TransferMetrics) -> None:
         self.aengine = aengine
         self.layout: KVLayout = aengine.engine.layout
+        self.transfers = transfers
         self.reservations: dict[str, list[int]] = {}
+        self.since: dict[str, float] = {}
 
     @property
     def pool(self) -> torch.Tensor:
         return self.aengine.engine.kv
+
+    def reserve(self, request_id: str, block_ids: list[int]) -> None:
+        self.reservations[request_id] = block_ids
+        self.since[request_id] = time.monotonic()
+
+    def drop(self, request_id: str) -> list[int] | None:
+        """End a reservation; the blocks that were still expected, or None."""
+        self.since.pop(request_id, None)
+        return self.reservations.pop(request_id, None)
 
     def reserved_blocks(self, request_id: str) -> list[int] | None:
         """The request's blocks a sender may write: never the shared, cached prefix blocks."""
@@ -50,7 +63,10 @@ class DecodeSink:
 
     async def complete(self, request_id: str, first_token: int,
                        first_logprob: TokenLogprob | None) -> None:
-        if self.reservations.pop(request_id, None) is not None:
+        since = self.since.get(request_id)
+        blocks = self.drop(request_id)
+        if blocks is not None:
+            self.transfers.done(len(blocks), block_bytes(self.layout), time.monotonic() - since)
             await self.aengine.remote_ready(request_id, first_token, first_logprob)
 
 
@@ -63,11 +79,46 @@ def _token_batch(outs: list[RequestOutput]) -> pb.TokenBatch:
 
 
 class DecodeServicer(pb_grpc.DecodeWorkerServicer):
-    def __init__(self, aengine: AsyncEngine, ident: WorkerIdentity, transport: str) -> None:
+    """`timeout_s`: how long a reservation may wait for its KV; then `on_timeout` decides:
+    "fail" ends the request with an error, "recompute" computes the prompt on this worker."""
+
+    def __init__(self, aengine: AsyncEngine, ident: WorkerIdentity, transport: str,
+                 metrics: WorkerMetrics, timeout_s: float = 300.0,
+                 on_timeout: str = "fail") -> None:
+        if on_timeout not in ("fail", "recompute"):
+            raise ValueError(f"on_timeout must be 'fail' or 'recompute', got {on_timeout!r}")
         self.aengine = aengine
         self.ident = ident
-        self.sink = DecodeSink(aengine)
+        self.transfers = metrics.transfers(transport)
+        self.sink = DecodeSink(aengine, self.transfers)
         self.receiver = create_receiver(transport, self.sink, address=ident.address)
+        self.timeout_s = timeout_s
+        self.on_timeout = on_timeout
+        self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        """Reservations whose KV has not arrived in time: fail them or compute them here."""
+        while True:
+            await asyncio.sleep(min(0.5, self.timeout_s / 4))
+            now = time.monotonic()
+            for rid in [r for r, t in self.sink.since.items() if now - t > self.timeout_s]:
+                blocks = self.sink.drop(rid)
+                self.transfers.failed("timeout")
+                self._keep_aside(rid, blocks)
+                if self.on_timeout == "recompute":
+                    log.warning("request %s: KV did not arrive within %g s; computing the prompt "
+                                "here", rid, self.timeout_s)
+                    await self.aengine.compute_locally(rid)
+                else:
+                    self.aengine.fail(rid, f"KV transfer from the prefill worker did not complete "
+                                           f"within {self.timeout_s:g} s")
+
+    def _keep_aside(self, rid: str, blocks: list[int] | None) -> None:
+        """A one-sided sender may still write into these blocks: keep them out of use until it
+        is done (the receiver releases them)."""
+        if blocks and self.receiver.one_sided:
+            self.aengine.pin(blocks)
+            self.receiver.quarantine(rid, blocks, self.aengine.unpin)
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
@@ -90,7 +141,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                 except ValueError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 cached = req.num_cached_blocks        # set by the engine thread on reserve
-                self.sink.reservations[rid] = blocks[cached:]
+                self.sink.reserve(rid, blocks[cached:])
                 target = TransferTarget(self.receiver.name, self.receiver.address(),
                                         self.ident.id, self.sink.layout, tuple(blocks), cached,
                                         self.receiver.metadata())
@@ -106,11 +157,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                 finished = outs[-1].finished
                 yield pb.DecodeEvent(tokens=_token_batch(outs))
         finally:
-            pending = self.sink.reservations.pop(rid, None)
-            if pending and self.receiver.one_sided:
-                # a one-sided sender may still be writing: keep the blocks out of use
-                self.aengine.pin(pending)
-                self.receiver.quarantine(rid, pending, self.aengine.unpin)
+            self._keep_aside(rid, self.sink.drop(rid))
             if not finished:
                 self.aengine.abort_nowait(rid)
             self.aengine.close_stream(rid)
@@ -119,19 +166,21 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         return await self.receiver.push_kv(request_iterator, context)
 
     async def Abort(self, request: pb.AbortRequest, context):
-        self.sink.reservations.pop(request.request_id, None)
+        self._keep_aside(request.request_id, self.sink.drop(request.request_id))
         return pb.AbortReply(found=await self.aengine.abort(request.request_id))
 
     async def Stats(self, request, context):
         return worker_stats(self.aengine)
 
     async def close(self) -> None:
+        self._watchdog.cancel()
         await self.receiver.close()
 
 
 def main(args) -> int:
-    def add(server, aengine, ident):
-        servicer = DecodeServicer(aengine, ident, args.kv_transport)
+    def add(server, aengine, ident, metrics):
+        servicer = DecodeServicer(aengine, ident, args.kv_transport, metrics,
+                                  args.kv_transfer_timeout, args.kv_load_failure)
         pb_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
         return servicer
 

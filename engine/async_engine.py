@@ -107,6 +107,17 @@ class AsyncEngine:
                            logprob: TokenLogprob | None) -> None:
         await self._call(self._remote_ready, request_id, first_token, logprob)
 
+    async def compute_locally(self, request_id: str) -> bool:
+        """Decode role: compute a reserved request's prompt here (its KV will not arrive)."""
+        return await self._call(self.engine.scheduler.compute_locally, request_id)
+
+    def fail(self, request_id: str, message: str) -> None:
+        """End a request with an error output (its stream gets it), freeing its blocks."""
+        def run():
+            self._abort(request_id)
+            self._emit([RequestOutput(request_id, [], [], "error", message)])
+        self._cmds.put((run, (), None))
+
     async def abort(self, request_id: str) -> bool:
         self.close_stream(request_id)
         return await self._call(self._abort, request_id)

@@ -92,6 +92,17 @@ class Scheduler:
             self.waiting.append(req)
         return out
 
+    def compute_locally(self, request_id: str) -> bool:
+        """Decode role: the KV of a reserved request will not arrive; compute the prompt here
+        (beyond the prefix this worker had cached) in the blocks already reserved."""
+        req = self.remote.pop(request_id, None)
+        if req is None:
+            return False
+        req.num_computed_tokens = req.num_cached_tokens
+        req.status = Status.WAITING
+        self.waiting.append(req)
+        return True
+
     def abort(self, request_id: str) -> bool:
         found = False
         for coll in (self.remote, self.held):

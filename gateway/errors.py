@@ -20,12 +20,13 @@ class GatewayError(Exception):
     """
 
     def __init__(self, message: str, *, status: int = 400, param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, retryable: bool = False) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
         self.code = code
+        self.retryable = retryable     # a worker went away: the request may run elsewhere
 
     @property
     def type(self) -> str:

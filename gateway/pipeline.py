@@ -5,6 +5,8 @@
     gateway --Prefill(destination=reservation)--> P     (a task, alongside reading D's stream)
     gateway <--TokenBatch ... finish_reason-- D          detokenize, apply stop strings -> Delta
 
+A worker that goes away (or a KV transfer that fails) before the first token reached the client
+makes the request run again on the workers the router picks then (PipelineConfig.max_attempts).
 Every exit (finish, stop string, worker error, consumer cancelled or closed) cancels the Decode
 stream and an unfinished Prefill call, so both workers free the request's blocks.
 """
@@ -43,12 +45,16 @@ class PipelineConfig:
     # of this gateway's prompts outstanding. 0 turns it off (every prompt goes to a prefill worker).
     local_prefill_max_tokens: int = 0
     local_prefill_queue: int = 4
+    # A request whose worker went away before its first token runs again, up to this many tries.
+    max_attempts: int = 3
 
     def __post_init__(self) -> None:
         if min(self.reservation_timeout_s, self.prefill_timeout_s, self.prefill_grace_s) <= 0:
             raise ValueError("pipeline timeouts must be positive")
         if self.local_prefill_max_tokens < 0 or self.local_prefill_queue < 0:
             raise ValueError("local_prefill_max_tokens and local_prefill_queue must be >= 0")
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -169,7 +175,10 @@ def _worker_error(what: str, worker: WorkerInfo, exc: grpc.aio.AioRpcError) -> G
     message = f"{what} worker {worker.id} at {worker.address} failed: {code.name}: {exc.details()}"
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return GatewayError(message, status=400)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED):
+        # the worker is gone, or (ABORTED) the KV transfer between the workers failed
+        return GatewayError(message, status=503, code="worker_unavailable", retryable=True)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return GatewayError(message, status=503, code="worker_unavailable")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return GatewayError(message, status=504, code="worker_timeout")
@@ -215,8 +224,32 @@ class Pipeline:
                 and self.router.queued_prompts(prefill_w.id) >= cfg.local_prefill_queue)
 
     async def _generate(self, prepared: PreparedRequest) -> AsyncIterator[Delta]:
-        route = await self.router.route(prepared.prompt_token_ids, prepared.cache_salt)
+        """Run the request; when a worker goes away (or the KV transfer fails) before any token
+        reached the client, run it again on the workers the router picks now."""
+        emitted = False
+        tried: set[str] = set()
+        for attempt in range(self.config.max_attempts):
+            rid = prepared.request_id if not attempt else f"{prepared.request_id}-retry{attempt}"
+            try:
+                async for delta in self._attempt(prepared, rid, tried):
+                    emitted = True
+                    yield delta
+                return
+            except GatewayError as exc:
+                if emitted or not exc.retryable or attempt + 1 >= self.config.max_attempts:
+                    raise
+                log.warning("request %s: %s; trying again on other workers",
+                            prepared.request_id, exc.message)
+                self.metrics.retries.inc()
+
+    async def _attempt(self, prepared: PreparedRequest, rid: str,
+                       tried: set[str]) -> AsyncIterator[Delta]:
+        """One try on the workers the router picks, avoiding those of failed tries (`tried`,
+        extended with this try's workers)."""
+        route = await self.router.route(prepared.prompt_token_ids, prepared.cache_salt,
+                                        frozenset(tried))
         prefill_w, decode_w = route.prefill, route.decode
+        tried.update((prefill_w.id, decode_w.id))
         local = self._prefill_locally(prefill_w, prepared)
         self.metrics.routed.labels(prefill="decode-local" if local else "prefill-worker").inc()
         ticket = None
@@ -228,7 +261,7 @@ class Pipeline:
         with self.router.track(*([decode_w] if local else [prefill_w, decode_w])):
             decode = pdserve_pb2_grpc.DecodeWorkerStub(self.router.channel(decode_w.address))
             call = decode.Decode(pdserve_pb2.DecodeRequest(
-                request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
+                request_id=rid, prompt_token_ids=prepared.prompt_token_ids,
                 params=prepared.params.to_proto(), local_prefill=local,
                 cache_salt=prepared.cache_salt))
             prefill: asyncio.Task | None = None
@@ -236,7 +269,7 @@ class Pipeline:
                 if not local:
                     reservation = await self._reservation(call, decode_w)
                     prefill = asyncio.ensure_future(
-                        self._prefill(prefill_w, prepared, reservation, ticket))
+                        self._prefill(prefill_w, prepared, rid, reservation, ticket))
                 state = _RequestText(self.tokenizer, prepared)
                 while True:
                     event = await self._next_event(call, decode_w, prefill)
@@ -271,12 +304,12 @@ class Pipeline:
                                f"reservation", status=500, code="worker_error")
         return event.reservation
 
-    async def _prefill(self, worker: WorkerInfo, prepared: PreparedRequest,
+    async def _prefill(self, worker: WorkerInfo, prepared: PreparedRequest, rid: str,
                        reservation: pdserve_pb2.KVDescriptor,
                        ticket: PrefillTicket) -> pdserve_pb2.PrefillReply:
         stub = pdserve_pb2_grpc.PrefillWorkerStub(self.router.channel(worker.address))
         request = pdserve_pb2.PrefillRequest(
-            request_id=prepared.request_id, prompt_token_ids=prepared.prompt_token_ids,
+            request_id=rid, prompt_token_ids=prepared.prompt_token_ids,
             params=prepared.params.to_proto(), destination=reservation,
             cache_salt=prepared.cache_salt)
         try:

@@ -219,12 +219,15 @@ class Router:
         return self._in_flight.get(worker_id, 0)
 
     # ------------------------------------------------------------------ choice
-    def _candidates(self, role: str) -> list[WorkerInfo]:
+    def _candidates(self, role: str, avoid: frozenset[str] = frozenset()) -> list[WorkerInfo]:
+        """Workers of the role, without those found unreachable lately or in `avoid` (ids), as
+        long as that leaves any."""
         workers = self._workers[role]
         if not workers:
             raise GatewayError(f"no {role} worker registered (redis: {self.redis_url})",
                                status=503, code="no_worker")
         now = time.monotonic()
+        workers = [w for w in workers if w.id not in avoid] or workers
         return [w for w in workers if self._avoid_until.get(w.id, 0.0) <= now] or workers
 
     def _take_turn(self, role: str, tied: list[WorkerInfo]) -> WorkerInfo:
@@ -236,9 +239,9 @@ class Router:
         best = min(cost(w) for w in workers)
         return self._take_turn(role, [w for w in workers if cost(w) == best])
 
-    def pick(self, role: str) -> WorkerInfo:
+    def pick(self, role: str, avoid: frozenset[str] = frozenset()) -> WorkerInfo:
         """The least loaded worker of `role`; GatewayError(503) when none is registered."""
-        workers = self._candidates(role)
+        workers = self._candidates(role, avoid)
         if self.routing == "round-robin":
             return self._take_turn(role, workers)
         return self._lowest(role, workers, lambda w: self.in_flight(w.id))
@@ -261,15 +264,17 @@ class Router:
             return None
         return found
 
-    async def route(self, prompt_token_ids=(), cache_salt: str = "") -> Route:
-        """Choose (prefill, decode) for a prompt. When a role has no known worker, Redis is read
-        once more first (a worker may have registered since the last poll)."""
+    async def route(self, prompt_token_ids=(), cache_salt: str = "",
+                    avoid: frozenset[str] = frozenset()) -> Route:
+        """Choose (prefill, decode) for a prompt, not among `avoid` (worker ids) unless nothing
+        else is left. When a role has no known worker, Redis is read once more first (a worker
+        may have registered since the last poll)."""
         if not all(self._workers.values()):
             await self.refresh()
         if self.routing != "prefix":
-            decode, prefill = self.pick("decode"), self.pick("prefill")
+            decode, prefill = self.pick("decode", avoid), self.pick("prefill", avoid)
             return Route(prefill, decode, self.routing.replace("-", "_"), 0)
-        decodes, prefills = self._candidates("decode"), self._candidates("prefill")
+        decodes, prefills = self._candidates("decode", avoid), self._candidates("prefill", avoid)
         cached = await self.cached_blocks(prompt_token_ids, cache_salt)
         hits = cached or {}
         bs = self._reference.block_size if self._reference else 1

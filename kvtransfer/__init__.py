@@ -2,14 +2,16 @@
 
 One interface split by role: a `KVSender` on prefill workers, a `KVReceiver` on decode workers.
 Transports register by name (`register_transport`) and are created lazily from a flag
-(`--kv-transport`). The first transport is `grpc`: a client stream into the decode worker's
-PushKV RPC. See kvtransfer.base for the contract.
+(`--kv-transport`): `grpc` (a client stream into the decode worker's PushKV RPC), `nixl`
+(one-sided WRITEs into the decode worker's registered pool), `torch` (torch.distributed send/recv
+on a two-rank group per worker pair: gloo on CPUs, NCCL on GPUs). See kvtransfer.base for the
+contract.
 """
 
 from kvtransfer.base import (KVReceiver, KVSender, KVSendStream, KVSink, KVTransferError,
-                             LayoutMismatch, TransferTarget, check_layout, create_receiver,
-                             create_sender, register_transport, transports)
+                             LayoutMismatch, TransferTarget, block_bytes, check_layout,
+                             create_receiver, create_sender, register_transport, transports)
 
 __all__ = ["KVReceiver", "KVSender", "KVSendStream", "KVSink", "KVTransferError", "LayoutMismatch",
-           "TransferTarget", "check_layout", "create_receiver", "create_sender",
+           "TransferTarget", "block_bytes", "check_layout", "create_receiver", "create_sender",
            "register_transport", "transports"]

@@ -27,6 +27,7 @@ from typing import Protocol
 
 import torch
 
+from engine.config import DTYPES
 from engine.engine import KVLayout
 from engine.request import TokenLogprob
 
@@ -45,6 +46,12 @@ def check_layout(ours: KVLayout, theirs: KVLayout) -> None:
         diff = ", ".join(f"{k}: ours {a[k]} vs theirs {b[k]}" for k in a if a[k] != b[k])
         raise LayoutMismatch(f"KV layout mismatch ({diff}); start both workers with the same "
                              "model, --dtype and --block-size")
+
+
+def block_bytes(layout: KVLayout) -> int:
+    """Bytes of one block across all layers, K and V."""
+    elem = torch.empty((), dtype=DTYPES[layout.dtype]).element_size()
+    return 2 * layout.num_layers * layout.block_size * layout.num_kv_heads * layout.head_dim * elem
 
 
 @dataclass(frozen=True)

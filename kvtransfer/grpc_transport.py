@@ -40,8 +40,9 @@ class _GrpcSendStream(KVSendStream):
         self.step = sender.blocks_per_message
         self.layout = layout_to_pb(sender.layout)
         self._out: asyncio.Queue = asyncio.Queue()
-        self._call = sender._stub(target.address).PushKV(self._messages(),
-                                                           timeout=sender.timeout_s)
+        self.timeout_s = sender.timeout_s
+        # no deadline on the call: it lasts as long as the prefill; the tail is bounded in finish
+        self._call = sender._stub(target.address).PushKV(self._messages())
         self._result = asyncio.ensure_future(self._finish_call())
 
     async def _messages(self):
@@ -78,7 +79,11 @@ class _GrpcSendStream(KVSendStream):
             msg.first_logprob.CopyFrom(logprob_to_pb(first_logprob))
         self._out.put_nowait(msg)
         self._out.put_nowait(None)
-        await self._result
+        try:
+            await asyncio.wait_for(asyncio.shield(self._result), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise KVTransferError(f"KV push to {self.target.address} did not complete within "
+                                  f"{self.timeout_s:g} s of the last block") from None
 
     async def abort(self) -> None:
         self._call.cancel()

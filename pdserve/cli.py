@@ -55,7 +55,16 @@ def _add_worker(p: argparse.ArgumentParser, role: str, port: int) -> None:
                    help="turn the prefix cache off: every prompt is computed in full")
     p.add_argument("--hash-seed", type=int, default=0,
                    help="block hash seed; every worker of a deployment must use the same")
-    p.add_argument("--kv-transport", default="grpc", help="KV transport name (grpc)")
+    p.add_argument("--kv-transport", default="grpc", choices=["grpc", "nixl", "torch"],
+                   help="how KV blocks move from prefill to decode workers (every worker of a "
+                        "deployment uses the same)")
+    p.add_argument("--kv-transfer-timeout", type=float, default=30.0 if role == "prefill" else
+                   300.0, help="prefill: seconds a transfer may take before it fails and the "
+                                "blocks are freed; decode: seconds a reservation waits for its KV")
+    if role == "decode":
+        p.add_argument("--kv-load-failure", default="fail", choices=["fail", "recompute"],
+                       help="when the KV does not arrive in time: fail the request, or compute "
+                            "the prompt on this decode worker")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="HTTP port of GET /metrics (Prometheus); default: gRPC port + 100; "
                         "0 turns it off")
@@ -183,6 +192,20 @@ def _add_baseline(sub) -> None:
     hf.set_defaults(target="pdserve.baseline_hf:main")
 
 
+def _add_kvbench(sub) -> None:
+    p = sub.add_parser(
+        "kvbench", help="KV transfer bandwidth of each transport vs memcpy and a TCP socket",
+        description="Move --mib of KV blocks (the default model's layout) per request from this "
+                    "process to a receiver process, --chunk-blocks per send as a prefill worker "
+                    "does, over each transport; compare with memcpy and a plain TCP socket.")
+    p.add_argument("--mib", type=float, default=64.0, help="KV bytes per request, in MiB")
+    p.add_argument("--transports", default="grpc,torch,nixl", help="comma list")
+    p.add_argument("--chunk-blocks", type=int, default=16, help="blocks per send")
+    p.add_argument("--repeat", type=int, default=5, help="requests per path")
+    p.add_argument("--out", default=None, help="JSON file for the figures")
+    p.set_defaults(target="pdserve.bench.kvbench:main")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
@@ -254,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     dc.set_defaults(target="decode_service.server:main")
 
     _add_bench(sub)
+    _add_kvbench(sub)
     _add_baseline(sub)
     return parser
 

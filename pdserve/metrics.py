@@ -40,6 +40,7 @@ class WorkerMetrics:
                  prefix: Callable[[], tuple[int, int, int, int]] | None = None) -> None:
         self.registry = CollectorRegistry()
         labels = {"role": role, "worker": worker_id}
+        self._labels = labels
         r = self.registry
         if prefix is not None:
             r.register(_ReadCounters(labels, lambda: {
@@ -83,6 +84,9 @@ class WorkerMetrics:
                                    list(labels), buckets=LATENCY_BUCKETS,
                                    registry=r).labels(**labels)
 
+    def transfers(self, transport: str) -> "TransferMetrics":
+        return TransferMetrics(self.registry, self._labels, transport)
+
     def on_step(self, s) -> None:
         """Called from the engine thread after every step with its engine.engine.StepStats
         (prometheus_client is thread-safe)."""
@@ -97,6 +101,42 @@ class WorkerMetrics:
     def serve(self, host: str, port: int) -> None:
         """Expose GET /metrics on host:port from a daemon thread."""
         start_http_server(port, addr=host, registry=self.registry)
+
+
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                    30.0, 60.0, 120.0, 300.0)
+
+
+class TransferMetrics:
+    """KV transfer metrics of one worker, labelled by transport. Prefill workers count what they
+    send, decode workers what they receive; `seconds` is, on prefill, from the first block handed
+    to the transport to the receiver having all, and on decode, from reservation to complete."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str], transport: str):
+        names = [*labels, "transport"]
+        values = {**labels, "transport": transport}
+        self.bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes moved", names,
+                             registry=registry).labels(**values)
+        self.blocks = Counter("pdserve_kv_transfer_blocks", "KV blocks moved", names,
+                              registry=registry).labels(**values)
+        self.requests = Counter("pdserve_kv_transfers", "Requests whose KV transfer completed",
+                                names, registry=registry).labels(**values)
+        self.seconds = Histogram("pdserve_kv_transfer_seconds", "KV transfer time per request",
+                                 names, buckets=TRANSFER_BUCKETS,
+                                 registry=registry).labels(**values)
+        self._failures = Counter("pdserve_kv_transfer_failures",
+                                 "KV transfers that failed, by kind", [*names, "kind"],
+                                 registry=registry)
+        self._values = values
+
+    def done(self, blocks: int, block_bytes: int, seconds: float) -> None:
+        self.blocks.inc(blocks)
+        self.bytes.inc(blocks * block_bytes)
+        self.requests.inc()
+        self.seconds.observe(seconds)
+
+    def failed(self, kind: str) -> None:
+        self._failures.labels(**self._values, kind=kind).inc()
 
 
 class GatewayMetrics:
@@ -132,6 +172,9 @@ class GatewayMetrics:
         self.routed_cached = Counter("pdserve_routing_cached_prompt_tokens",
                                      "Prompt tokens the directory listed as cached on the chosen "
                                      "prefill worker", registry=r)
+        self.retries = Counter("pdserve_request_retries",
+                               "Requests run again after a worker went away before their first "
+                               "token", registry=r)
         self.directory_blocks = Gauge("pdserve_prefix_directory_blocks",
                                       "Block hashes listed in the Redis prefix directory",
                                       ["worker"], registry=r)

@@ -90,8 +90,8 @@ def worker_stats(aengine):
 async def serve(args, role: str, add_services: Callable) -> None:
     """Run one worker until SIGINT/SIGTERM.
 
-    add_services(server, async_engine, identity) registers the role's servicers and returns an
-    object with an async `close()` (or None).
+    add_services(server, async_engine, identity, metrics) registers the role's servicers and
+    returns an object with an async `close()` (or None).
     """
     from engine.async_engine import AsyncEngine
 
@@ -116,7 +116,7 @@ async def serve(args, role: str, add_services: Callable) -> None:
         metrics.serve(args.host, metrics_port)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    closer = add_services(server, aengine, ident)
+    closer = add_services(server, aengine, ident, metrics)
     await server.start()
 
     lay = engine.layout

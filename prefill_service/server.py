@@ -17,8 +17,10 @@ import grpc
 
 from engine.async_engine import AsyncEngine
 from engine.request import Request
-from kvtransfer import KVTransferError, LayoutMismatch, check_layout, create_sender
+from kvtransfer import (KVTransferError, LayoutMismatch, block_bytes, check_layout,
+                        create_sender)
 from kvtransfer.wire import target_from_pb
+from pdserve.metrics import WorkerMetrics
 from pdserve.worker import WorkerIdentity, sampling_from_pb, serve, worker_stats
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -27,11 +29,15 @@ log = logging.getLogger(__name__)
 
 
 class PrefillServicer(pb_grpc.PrefillWorkerServicer):
-    def __init__(self, aengine: AsyncEngine, ident: WorkerIdentity, transport: str) -> None:
+    def __init__(self, aengine: AsyncEngine, ident: WorkerIdentity, transport: str,
+                 metrics: WorkerMetrics, timeout_s: float = 30.0) -> None:
         self.aengine = aengine
         self.ident = ident
         self.layout = aengine.engine.layout
-        self.sender = create_sender(transport, self.layout, kv=aengine.engine.kv)
+        self.block_bytes = block_bytes(self.layout)
+        self.sender = create_sender(transport, self.layout, kv=aengine.engine.kv,
+                                    timeout_s=timeout_s)
+        self.transfers = metrics.transfers(transport)
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
@@ -66,6 +72,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             stream = self.sender.open(rid, self.aengine.engine.kv, target)
             sent = 0
+            t_send = None
             while True:                # each chunk's blocks go while the next chunk computes
                 out = await queue.get()
                 if out.error:
@@ -74,6 +81,8 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                 skip = min(max(target.num_cached_blocks - sent, 0), len(blocks))
                 src, dst = blocks[skip:], list(target.block_ids[sent + skip:sent + len(blocks)])
                 sent += len(blocks)
+                if t_send is None and src:
+                    t_send = time.perf_counter()
                 try:
                     if out.finished:
                         t1 = time.perf_counter()
@@ -81,13 +90,16 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                         await stream.finish(out.new_token_ids[0], lp, src, dst)
                         done = True
                         t2 = time.perf_counter()
+                        moved = sent - target.num_cached_blocks
+                        self.transfers.done(moved, self.block_bytes, t2 - (t_send or t1))
                         break
                     if src:
                         await stream.send(src, dst)
                 finally:
                     self.aengine.unpin(blocks)
         except KVTransferError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            self.transfers.failed("send")
+            await context.abort(grpc.StatusCode.ABORTED, str(exc))
         finally:
             if stream is not None and not done:
                 await stream.abort()
@@ -98,7 +110,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                                num_prompt_tokens=req.num_prompt_tokens,
                                compute_seconds=t1 - t0, transfer_seconds=t2 - t1,
                                num_cached_tokens=req.num_cached_tokens,
-                               num_blocks_sent=sent - target.num_cached_blocks)
+                               num_blocks_sent=moved)
 
     async def Abort(self, request: pb.AbortRequest, context):
         return pb.AbortReply(found=await self.aengine.abort(request.request_id))
@@ -111,8 +123,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
 
 
 def main(args) -> int:
-    def add(server, aengine, ident):
-        servicer = PrefillServicer(aengine, ident, args.kv_transport)
+    def add(server, aengine, ident, metrics):
+        servicer = PrefillServicer(aengine, ident, args.kv_transport, metrics,
+                                   args.kv_transfer_timeout)
         pb_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
         return servicer
 

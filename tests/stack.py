@@ -130,19 +130,21 @@ class Stack:
 
 @contextlib.contextmanager
 def standard_stack(model_dir, workdir: Path, decode_args: tuple[str, ...] = (),
-                   gateway_args: tuple[str, ...] = (), prefills: tuple[str, ...] = ("prefill",)):
-    """redis + prefill workers (one per name) + one decode + the gateway, healthy; logs printed
+                   gateway_args: tuple[str, ...] = (), prefills: tuple[str, ...] = ("prefill",),
+                   prefill_args: tuple[str, ...] = (), decodes: tuple[str, ...] = ("decode",)):
+    """redis + prefill and decode workers (one per name) + the gateway, healthy; logs printed
     if startup fails."""
     s = Stack(str(model_dir), workdir)
     try:
         s.start_redis()
         for name in prefills:
-            s.start_worker("prefill", name=name)
-        s.start_worker("decode", *decode_args, name="decode")
+            s.start_worker("prefill", *prefill_args, name=name)
+        for name in decodes:
+            s.start_worker("decode", *decode_args, name=name)
         s.start_gateway(*gateway_args)
         s.wait_healthy()
-        wait_until(lambda: _gateway_sees_workers(s.procs[-1].http, len(prefills)), 60,
-                   "every prefill worker at the gateway")
+        wait_until(lambda: _gateway_sees_workers(s.procs[-1].http, len(prefills),
+                                                 len(decodes)), 60, "every worker at the gateway")
         yield s
     except BaseException:
         print(s.logs())
@@ -157,8 +159,8 @@ def _tcp_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _gateway_sees_workers(base: str, prefills: int = 1) -> bool:
-    """The gateway is up and has discovered a decode worker and `prefills` prefill workers."""
+def _gateway_sees_workers(base: str, prefills: int = 1, decodes: int = 1) -> bool:
+    """The gateway is up and has discovered this many prefill and decode workers."""
     import httpx
 
     try:
@@ -166,4 +168,4 @@ def _gateway_sees_workers(base: str, prefills: int = 1) -> bool:
     except (httpx.HTTPError, ValueError):
         return False
     workers = body.get("workers", {})
-    return workers.get("prefill", 0) >= prefills and workers.get("decode", 0) >= 1
+    return workers.get("prefill", 0) >= prefills and workers.get("decode", 0) >= decodes

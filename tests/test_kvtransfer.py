@@ -7,15 +7,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-import grpc
 import pytest
 import torch
 
 from engine.engine import KVLayout
 from engine.request import TokenLogprob
-from kvtransfer import (KVTransferError, LayoutMismatch, TransferTarget, create_receiver,
-                        create_sender)
-from proto import pdserve_pb2_grpc as pb_grpc
+from kvtransfer import KVTransferError, LayoutMismatch, TransferTarget, create_sender
+from kvtransfer.loopback import MemorySink, receiving
 from tests.conftest import free_port
 
 LAYOUT = KVLayout("float32", 4, 2, 2, 8)
@@ -28,61 +26,18 @@ def pool(num_blocks: int, seed: int) -> torch.Tensor:
                        LAYOUT.head_dim, generator=g)
 
 
-class Sink:
-    """The decode side's KVSink, as the decode service implements it, without an engine."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.layout = LAYOUT
-        self.kv = torch.zeros_like(pool(num_blocks, 0))
-        self.reservations: dict[str, list[int]] = {}
-        self.completed: dict[str, tuple[int, TokenLogprob | None]] = {}
-        self.done = asyncio.Event()
-
-    @property
-    def pool(self) -> torch.Tensor:
-        return self.kv
-
-    def reserved_blocks(self, request_id):
-        return self.reservations.get(request_id)
-
-    def expecting(self) -> bool:
-        return bool(self.reservations)
-
-    def write_blocks(self, block_ids, data):
-        self.kv[:, :, torch.tensor(block_ids)] = data
-
-    async def complete(self, request_id, first_token, first_logprob):
-        self.reservations.pop(request_id)
-        self.completed[request_id] = (first_token, first_logprob)
-        self.done.set()
-
-
-class PushKVOnly(pb_grpc.DecodeWorkerServicer):
-    def __init__(self, receiver) -> None:
-        self.receiver = receiver
-
-    async def PushKV(self, request_iterator, context):
-        return await self.receiver.push_kv(request_iterator, context)
+def Sink(num_blocks: int) -> MemorySink:
+    return MemorySink(LAYOUT, num_blocks)
 
 
 @contextlib.asynccontextmanager
-async def endpoints(name: str, sink: Sink, src: torch.Tensor):
-    address = f"127.0.0.1:{free_port()}"
-    server = None
-    receiver = create_receiver(name, sink, address=address)
-    if name == "grpc":
-        server = grpc.aio.server()
-        pb_grpc.add_DecodeWorkerServicer_to_server(PushKVOnly(receiver), server)
-        server.add_insecure_port(address)
-        await server.start()
-    sender = create_sender(name, LAYOUT, kv=src)
-    try:
-        yield sender, receiver
-    finally:
-        await sender.close()
-        await receiver.close()
-        if server is not None:
-            await server.stop(None)
+async def endpoints(name: str, sink: MemorySink, src: torch.Tensor):
+    async with receiving(name, sink, f"127.0.0.1:{free_port()}") as receiver:
+        sender = create_sender(name, LAYOUT, kv=src)
+        try:
+            yield sender, receiver
+        finally:
+            await sender.close()
 
 
 def target(receiver, blocks, cached=0, layout=LAYOUT) -> TransferTarget:

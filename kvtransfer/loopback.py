@@ -1,0 +1,73 @@
+"""A decode side without an engine: a KV pool in memory behind the KVSink interface, and a gRPC
+server that serves only PushKV. Used to measure transports (`pdserve kvbench`) and to test them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import grpc
+import torch
+
+from engine.config import DTYPES
+from engine.engine import KVLayout
+from engine.request import TokenLogprob
+from kvtransfer.base import KVReceiver, create_receiver
+from proto import pdserve_pb2_grpc as pb_grpc
+
+
+class MemorySink:
+    """Reservations and a pool of `num_blocks` blocks; `completed` records first tokens."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int) -> None:
+        self.layout = layout
+        self.kv = torch.zeros(layout.num_layers, 2, num_blocks, layout.block_size,
+                              layout.num_kv_heads, layout.head_dim, dtype=DTYPES[layout.dtype])
+        self.reservations: dict[str, list[int]] = {}
+        self.completed: dict[str, tuple[int, TokenLogprob | None]] = {}
+        self.done = asyncio.Event()
+
+    @property
+    def pool(self) -> torch.Tensor:
+        return self.kv
+
+    def reserved_blocks(self, request_id: str) -> list[int] | None:
+        return self.reservations.get(request_id)
+
+    def expecting(self) -> bool:
+        return bool(self.reservations)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        self.kv[:, :, torch.tensor(block_ids)] = data
+
+    async def complete(self, request_id: str, first_token: int,
+                       first_logprob: TokenLogprob | None) -> None:
+        self.reservations.pop(request_id)
+        self.completed[request_id] = (first_token, first_logprob)
+        self.done.set()
+
+
+class _PushKVOnly(pb_grpc.DecodeWorkerServicer):
+    def __init__(self, receiver) -> None:
+        self.receiver = receiver
+
+    async def PushKV(self, request_iterator, context):
+        return await self.receiver.push_kv(request_iterator, context)
+
+
+@contextlib.asynccontextmanager
+async def receiving(name: str, sink: MemorySink, address: str):
+    """A receiver of transport `name` for `sink` (with a PushKV server at `address` for grpc)."""
+    receiver: KVReceiver = create_receiver(name, sink, address=address)
+    server = None
+    if name == "grpc":
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20)])
+        pb_grpc.add_DecodeWorkerServicer_to_server(_PushKVOnly(receiver), server)
+        server.add_insecure_port(address)
+        await server.start()
+    try:
+        yield receiver
+    finally:
+        await receiver.close()
+        if server is not None:
+            await server.stop(None)

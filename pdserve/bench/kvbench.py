@@ -1,0 +1,183 @@
+"""`pdserve kvbench`: how fast each KV transport moves blocks between two processes, against a
+plain memcpy and a plain TCP socket on the same machine.
+
+The receiver is a child process with a pool in memory (kvtransfer.loopback); it prints its
+transfer target, then a line per completed request. The parent owns a pool of the same layout
+(the default model's: 30 layers, 3 KV heads, head size 64, blocks of 16 tokens, fp32) and sends
+`--mib` of blocks per request the way a prefill worker does: `--chunk-blocks` blocks per send,
+the last ones with the first token. A request's time runs from the first send to the receiver
+reporting it complete. Baselines: memcpy = copying the same bytes between two tensors in one
+process (the floor for any transport); TCP = the same bytes through one socket to the child.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from engine.engine import KVLayout
+from kvtransfer.base import block_bytes, create_sender
+from kvtransfer.wire import target_from_pb, target_to_pb
+
+LAYOUT = KVLayout("float32", 16, 30, 3, 64)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------- the receiver process
+async def _receive(name: str, num_blocks: int, requests: int) -> None:
+    from kvtransfer.base import TransferTarget
+    from kvtransfer.loopback import MemorySink, receiving
+
+    sink = MemorySink(LAYOUT, num_blocks)
+    async with receiving(name, sink, f"127.0.0.1:{_free_port()}") as receiver:
+        blocks = tuple(range(num_blocks))
+        target = TransferTarget(name, receiver.address(), "kvbench", LAYOUT, blocks, 0,
+                                receiver.metadata())
+        print(base64.b64encode(target_to_pb(target).SerializeToString()).decode(), flush=True)
+        for i in range(requests):
+            sink.reservations[f"r{i}"] = list(blocks)
+            print(f"ready r{i}", flush=True)
+            while f"r{i}" not in sink.completed:
+                await asyncio.sleep(0.0002)
+            print(f"done r{i} {sink.kv[-1, -1, -1].sum().item():.6f}", flush=True)
+
+
+def _tcp_receive(port: int, nbytes: int, requests: int) -> None:
+    with socket.create_server(("127.0.0.1", port)) as server:
+        print("listening", flush=True)
+        conn, _ = server.accept()
+        buf = bytearray(nbytes)
+        view = memoryview(buf)
+        for _ in range(requests):
+            got = 0
+            while got < nbytes:
+                got += conn.recv_into(view[got:], nbytes - got)
+            conn.sendall(b"k")
+
+
+# ---------------------------------------------------------------------- the sender
+def _spawn(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pdserve.bench.kvbench", *args],
+                            stdout=subprocess.PIPE, text=True)
+
+
+async def _send(name: str, src: torch.Tensor, chunk: int, requests: int) -> list[float]:
+    n = src.shape[2]
+    child = _spawn("--serve", name, "--num-blocks", str(n), "--requests", str(requests))
+    try:
+        from proto import pdserve_pb2 as pb
+
+        target = target_from_pb(pb.KVDescriptor.FromString(
+            base64.b64decode(child.stdout.readline())))
+        sender = create_sender(name, LAYOUT, kv=src)
+        times = []
+        for i in range(requests):
+            assert child.stdout.readline().strip() == f"ready r{i}"
+            t0 = time.perf_counter()
+            stream = sender.open(f"r{i}", src, target)
+            ids = list(range(n))
+            for start in range(0, n - chunk, chunk):
+                await stream.send(ids[start:start + chunk], ids[start:start + chunk])
+            last = ids[(max(n - 1, 0) // chunk) * chunk:]
+            await stream.finish(1, None, last, last)
+            line = await asyncio.to_thread(child.stdout.readline)
+            times.append(time.perf_counter() - t0)
+            want = f"{src[-1, -1, -1].sum().item():.6f}"
+            if line.split()[-1] != want:
+                raise RuntimeError(f"{name}: the receiver's last block differs ({line!r})")
+        await sender.close()
+        return times
+    finally:
+        child.wait(timeout=30)
+
+
+def _memcpy(src: torch.Tensor, requests: int) -> list[float]:
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(requests):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _tcp(nbytes: int, requests: int) -> list[float]:
+    port = _free_port()
+    child = _spawn("--serve-tcp", str(port), "--nbytes", str(nbytes), "--requests", str(requests))
+    try:
+        child.stdout.readline()
+        payload = memoryview(bytearray(torch.randn(nbytes // 4).numpy().tobytes()))
+        times = []
+        with socket.create_connection(("127.0.0.1", port)) as conn:
+            for _ in range(requests):
+                t0 = time.perf_counter()
+                conn.sendall(payload)
+                conn.recv(1)
+                times.append(time.perf_counter() - t0)
+        return times
+    finally:
+        child.wait(timeout=30)
+
+
+def run(args) -> dict:
+    bb = block_bytes(LAYOUT)
+    num_blocks = max(1, int(args.mib * (1 << 20)) // bb)
+    nbytes = num_blocks * bb
+    torch.set_num_threads(1)
+    src = torch.randn(LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads,
+                      LAYOUT.head_dim)
+    results = {"memcpy": _memcpy(src, args.repeat), "tcp socket": _tcp(nbytes, args.repeat)}
+    for name in args.transports.split(","):
+        results[name] = asyncio.run(_send(name, src, args.chunk_blocks, args.repeat))
+    base = statistics.median(results["memcpy"])
+    print(f"{num_blocks} blocks of {bb} bytes = {nbytes / (1 << 20):.1f} MiB per request, "
+          f"{args.repeat} requests, {args.chunk_blocks} blocks per send")
+    print(f"{'path':<12} {'median ms':>10} {'GB/s':>8} {'x memcpy':>9}")
+    summary = {}
+    for name, times in results.items():
+        med = statistics.median(times)
+        summary[name] = {"median_s": med, "gb_per_s": nbytes / med / 1e9, "x_memcpy": med / base,
+                         "times_s": times}
+        print(f"{name:<12} {med * 1e3:>10.2f} {nbytes / med / 1e9:>8.2f} {med / base:>9.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"bytes": nbytes, "blocks": num_blocks, "results": summary}, f, indent=1)
+    return summary
+
+
+def main(args) -> int:
+    run(args)
+    return 0
+
+
+def _child(argv: list[str]) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--serve")
+    p.add_argument("--serve-tcp", type=int)
+    p.add_argument("--num-blocks", type=int, default=0)
+    p.add_argument("--nbytes", type=int, default=0)
+    p.add_argument("--requests", type=int, default=1)
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    if a.serve_tcp:
+        _tcp_receive(a.serve_tcp, a.nbytes, a.requests)
+    else:
+        asyncio.run(_receive(a.serve, a.num_blocks, a.requests))
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1:])

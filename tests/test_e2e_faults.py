@@ -1,0 +1,135 @@
+"""Faults with real processes: two prefill and two decode workers, a long prompt in flight, and
+then a stalled prefill worker (SIGSTOP), a killed prefill worker, a killed decode worker, a client
+that goes away. Every request still gets HF's greedy tokens (or a clear error), and no KV block
+leaks on the workers that are left."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.stack import standard_stack, wait_until
+from tests.test_e2e import hf, hf_greedy  # noqa: F401  (module fixture)
+from tests.test_e2e_prefix import metric, proc
+
+pytestmark = pytest.mark.slow
+
+NEW = 8
+WORKERS = ("prefill-a", "prefill-b", "decode-a", "decode-b")
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir, tmp_path_factory):
+    decode = ("--kv-transfer-timeout", "10", "--kv-load-failure", "recompute")
+    prefill = ("--kv-transfer-timeout", "5", "--max-num-batched-tokens", "256")
+    with standard_stack(model_dir, tmp_path_factory.mktemp("faults"), decode_args=decode,
+                        prefill_args=prefill, prefills=WORKERS[:2], decodes=WORKERS[2:]) as s:
+        yield s
+
+
+def long_prompt(tok, topic: str) -> list[int]:
+    text = (f"Notes on {topic}. " + "The committee met again and read every line of the report "
+            "aloud, then voted to read it once more the next morning. ") * 40
+    return tok(text + "In one word, the notes are about").input_ids      # ~1000 tokens
+
+
+def start(stack, ids: list[int]) -> dict:
+    """The request on a thread; the result dict fills in when it ends."""
+    out: dict = {}
+
+    def run():
+        r = httpx.post(f"{stack.procs[-1].http}/v1/completions", timeout=300, json={
+            "model": "SmolLM2-135M-Instruct", "prompt": ids, "max_tokens": NEW,
+            "temperature": 0})
+        out["status"], out["body"] = r.status_code, r.json()
+    out["thread"] = threading.Thread(target=run)
+    out["thread"].start()
+    return out
+
+
+def busy(stack, names, key="pdserve_requests_running") -> str:
+    """The worker among `names` that has the request (prefill: running; decode: blocks taken)."""
+    def find():
+        for n in names:
+            p = proc(stack, n)
+            if not p.alive():
+                continue
+            m = p.metrics
+            if key == "blocks":
+                if metric(m, "pdserve_kv_blocks_free") < metric(m, "pdserve_kv_blocks_total"):
+                    return n
+            elif metric(m, key) > 0:
+                return n
+        return None
+    wait_until(lambda: find() is not None, 30, f"a busy worker among {names}")
+    return find()
+
+
+def all_free(stack) -> None:
+    for n in WORKERS:
+        p = proc(stack, n)
+        if p.alive():
+            wait_until(lambda m=p.metrics: metric(m, "pdserve_kv_blocks_free")
+                       == metric(m, "pdserve_kv_blocks_total"), 20, f"{n} pool all free")
+
+
+def text_of(hf, ids):  # noqa: F811
+    return hf[0].decode(hf_greedy(hf, ids, NEW), skip_special_tokens=True)
+
+
+def test_a_stalled_transfer_is_computed_on_the_decode_worker(stack, hf):  # noqa: F811
+    ids = long_prompt(hf[0], "rivers")
+    req = start(stack, ids)
+    stalled = busy(stack, WORKERS[:2])
+    os.kill(proc(stack, stalled).popen.pid, signal.SIGSTOP)        # alive, silent
+    try:
+        req["thread"].join(120)
+    finally:
+        os.kill(proc(stack, stalled).popen.pid, signal.SIGCONT)
+    assert req["status"] == 200, req["body"]
+    assert req["body"]["choices"][0]["text"] == text_of(hf, ids)
+    timeouts = sum(metric(proc(stack, d).metrics, "pdserve_kv_transfer_failures_total",
+                          kind="timeout") for d in WORKERS[2:])
+    assert timeouts == 1
+    all_free(stack)
+
+
+def test_a_killed_prefill_worker_is_replaced(stack, hf):  # noqa: F811
+    ids = long_prompt(hf[0], "mountains")
+    req = start(stack, ids)
+    victim = busy(stack, WORKERS[:2])
+    proc(stack, victim).kill()
+    req["thread"].join(120)
+    assert req["status"] == 200, req["body"]
+    assert req["body"]["choices"][0]["text"] == text_of(hf, ids)
+    assert metric(f"{stack.procs[-1].http}/metrics", "pdserve_request_retries_total") >= 1
+    all_free(stack)
+
+
+def test_a_killed_decode_worker_frees_the_prefill_side_and_is_replaced(stack, hf):  # noqa: F811
+    ids = long_prompt(hf[0], "forests")
+    req = start(stack, ids)
+    victim = busy(stack, WORKERS[2:], key="blocks")
+    time.sleep(0.5)                                   # the prefill worker is streaming KV now
+    proc(stack, victim).kill()
+    t0 = time.monotonic()
+    req["thread"].join(120)
+    assert req["status"] == 200, req["body"]
+    assert req["body"]["choices"][0]["text"] == text_of(hf, ids)
+    all_free(stack)                                   # the prefill side let go of its blocks
+    assert time.monotonic() - t0 < 60                 # a lease, not a 480-second wait
+
+
+def test_a_client_that_goes_away_frees_both_sides(stack, hf):  # noqa: F811
+    ids = long_prompt(hf[0], "deserts")
+    with pytest.raises(httpx.ReadTimeout):            # gives up mid-prefill, closing the socket
+        httpx.post(f"{stack.procs[-1].http}/v1/completions",
+                   timeout=httpx.Timeout(30, read=1.0), json={
+                       "model": "SmolLM2-135M-Instruct", "prompt": ids, "max_tokens": 900, "ignore_eos": True,
+                       "temperature": 0})
+    all_free(stack)
