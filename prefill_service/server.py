@@ -92,6 +92,10 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                         t2 = time.perf_counter()
                         moved = sent - target.num_cached_blocks
                         self.transfers.done(moved, self.block_bytes, t2 - (t_send or t1))
+                        log.info("request %s: %d prompt tokens (%d cached here) prefilled in "
+                                 "%.3f s; %d blocks sent to %s, %.3f s of transfer after the "
+                                 "last chunk", rid, req.num_prompt_tokens, req.num_cached_tokens,
+                                 t1 - t0, moved, target.engine_id, t2 - t1)
                         break
                     if src:
                         await stream.send(src, dst)

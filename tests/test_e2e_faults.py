@@ -130,6 +130,6 @@ def test_a_client_that_goes_away_frees_both_sides(stack, hf):  # noqa: F811
     with pytest.raises(httpx.ReadTimeout):            # gives up mid-prefill, closing the socket
         httpx.post(f"{stack.procs[-1].http}/v1/completions",
                    timeout=httpx.Timeout(30, read=1.0), json={
-                       "model": "SmolLM2-135M-Instruct", "prompt": ids, "max_tokens": 900, "ignore_eos": True,
-                       "temperature": 0})
+                       "model": "SmolLM2-135M-Instruct", "prompt": ids, "max_tokens": 900,
+                       "ignore_eos": True, "temperature": 0})
     all_free(stack)
