@@ -47,7 +47,8 @@ async def _receive(name: str, num_blocks: int, requests: int) -> None:
         blocks = tuple(range(num_blocks))
         target = TransferTarget(name, receiver.address(), "kvbench", LAYOUT, blocks, 0,
                                 receiver.metadata())
-        print(base64.b64encode(target_to_pb(target).SerializeToString()).decode(), flush=True)
+        print("target", base64.b64encode(target_to_pb(target).SerializeToString()).decode(),
+              flush=True)
         for i in range(requests):
             sink.reservations[f"r{i}"] = list(blocks)
             print(f"ready r{i}", flush=True)
@@ -75,6 +76,16 @@ def _spawn(*args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, text=True)
 
 
+def _line(child: subprocess.Popen, word: str) -> list[str]:
+    """The child's next stdout line that starts with `word` (libraries print there too)."""
+    while True:
+        line = child.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the receiver process ended before saying {word!r}")
+        if line.startswith(word + " ") or line.strip() == word:
+            return line.split()
+
+
 async def _send(name: str, src: torch.Tensor, chunk: int, requests: int) -> list[float]:
     n = src.shape[2]
     child = _spawn("--serve", name, "--num-blocks", str(n), "--requests", str(requests))
@@ -82,11 +93,11 @@ async def _send(name: str, src: torch.Tensor, chunk: int, requests: int) -> list
         from proto import pdserve_pb2 as pb
 
         target = target_from_pb(pb.KVDescriptor.FromString(
-            base64.b64decode(child.stdout.readline())))
+            base64.b64decode(_line(child, "target")[1])))
         sender = create_sender(name, LAYOUT, kv=src)
         times = []
         for i in range(requests):
-            assert child.stdout.readline().strip() == f"ready r{i}"
+            _line(child, "ready")
             t0 = time.perf_counter()
             stream = sender.open(f"r{i}", src, target)
             ids = list(range(n))
@@ -94,11 +105,11 @@ async def _send(name: str, src: torch.Tensor, chunk: int, requests: int) -> list
                 await stream.send(ids[start:start + chunk], ids[start:start + chunk])
             last = ids[(max(n - 1, 0) // chunk) * chunk:]
             await stream.finish(1, None, last, last)
-            line = await asyncio.to_thread(child.stdout.readline)
+            words = await asyncio.to_thread(_line, child, "done")
             times.append(time.perf_counter() - t0)
             want = f"{src[-1, -1, -1].sum().item():.6f}"
-            if line.split()[-1] != want:
-                raise RuntimeError(f"{name}: the receiver's last block differs ({line!r})")
+            if words[-1] != want:
+                raise RuntimeError(f"{name}: the receiver's last block differs ({words})")
         await sender.close()
         return times
     finally:
@@ -119,7 +130,7 @@ def _tcp(nbytes: int, requests: int) -> list[float]:
     port = _free_port()
     child = _spawn("--serve-tcp", str(port), "--nbytes", str(nbytes), "--requests", str(requests))
     try:
-        child.stdout.readline()
+        _line(child, "listening")
         payload = memoryview(bytearray(torch.randn(nbytes // 4).numpy().tobytes()))
         times = []
         with socket.create_connection(("127.0.0.1", port)) as conn:
