@@ -37,8 +37,13 @@ from proto import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-_POLL_BUSY_S = 0.0005
-_POLL_IDLE_S = 0.01
+# Polling takes the GIL from the engine thread: back off. The sender waits for its WRITEs
+# starting at _POLL_MIN_S, doubling to _POLL_MAX_S; the receiver reads notifications every
+# _POLL_BUSY_S while reservations are open, every _POLL_IDLE_S otherwise.
+_POLL_MIN_S = 0.0002
+_POLL_MAX_S = 0.005
+_POLL_BUSY_S = 0.002
+_POLL_IDLE_S = 0.02
 
 
 def _agent(name: str, progress_thread: bool):
@@ -124,6 +129,7 @@ class _NixlSendStream(KVSendStream):
         """Until every WRITE so far is done (the source blocks may then be reused)."""
         agent = self.sender.agent
         deadline = time.monotonic() + self.sender.timeout_s
+        pause = _POLL_MIN_S
         while self._handles:
             state = agent.check_xfer_state(self._handles[0])
             if state == "DONE":
@@ -134,7 +140,8 @@ class _NixlSendStream(KVSendStream):
             if time.monotonic() > deadline:
                 raise KVTransferError(f"NIXL write to {self.target.engine_id} did not complete "
                                       f"within {self.sender.timeout_s:g} s")
-            await asyncio.sleep(_POLL_BUSY_S)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
 
     async def send(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
         await self._write(list(src_blocks), list(dst_blocks))
