@@ -13,7 +13,8 @@ without data: request id, layout, destination block ids, `last` with the first t
 blocks' data [layers, 2, blocks, block_size, kv_heads, head_dim] if any. A channel's messages go
 out from one thread, in order; messages of several requests interleave whole. The receiver checks
 every message against the request's reservation before writing (two-sided: a late message of an
-aborted request is dropped).
+aborted request is dropped). A sender that closes says goodbye (a header of -1), which ends the
+receiving thread.
 """
 
 from __future__ import annotations
@@ -77,6 +78,17 @@ class _Channel:
         channel = f"{self.sender_id}-{n}"
         self.store.set(f"channel/{n}", channel)
         self.group = _group(self.store, channel, 0, self.device, self.timeout_s)
+
+    def close(self) -> None:
+        """Tell the receiver this channel ends (its thread returns), on the channel's thread."""
+        def goodbye():
+            if self.group is not None and self.broken is None:
+                self.group.send([torch.tensor([-1, 0], dtype=torch.int64)], 1, 0).wait()
+        try:
+            self.pool.submit(goodbye).result(timeout=self.timeout_s)
+        except Exception:
+            pass
+        self.pool.shutdown(wait=False)
 
     def send(self, meta: bytes, data: torch.Tensor | None) -> None:
         if self.group is None:
@@ -159,7 +171,8 @@ class TorchKVSender(KVSender):
 
     async def close(self) -> None:
         for ch in list(self._channels.values()):
-            self.drop(ch)
+            del self._channels[ch.address]
+            await asyncio.to_thread(ch.close)
 
 
 class TorchKVReceiver(KVReceiver):
@@ -176,6 +189,7 @@ class TorchKVReceiver(KVReceiver):
                                    timeout=datetime.timedelta(seconds=timeout_s))
         self._address = f"{host}:{self.store.port}"
         self.layout = sink.layout
+        self._next = 0
         self._closed = threading.Event()
         threading.Thread(target=self._accept, name="kv-accept", daemon=True).start()
 
@@ -185,6 +199,7 @@ class TorchKVReceiver(KVReceiver):
     def _accept(self) -> None:
         store = _client(self._address, self.timeout_s)
         for n in itertools.count():
+            self._next = n
             channel = None
             while channel is None and not self._closed.is_set():
                 try:
@@ -208,6 +223,8 @@ class TorchKVReceiver(KVReceiver):
             try:
                 header = torch.zeros(HEADER, dtype=torch.int64)
                 group.recv([header], 0, 0).wait()
+                if int(header[0]) < 0:                # the sender closed the channel
+                    return
                 meta = torch.empty(int(header[0]), dtype=torch.uint8)
                 group.recv([meta], 0, 0).wait()
                 data = None
@@ -240,3 +257,4 @@ class TorchKVReceiver(KVReceiver):
 
     async def close(self) -> None:
         self._closed.set()
+        self.store.set(f"channel/{self._next}", "")      # wakes the accept thread: it returns

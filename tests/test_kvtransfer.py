@@ -133,3 +133,16 @@ def test_nixl_keeps_aborted_blocks_aside_until_the_sender_is_done():
         return released
 
     assert asyncio.run(body()) == [1, 2, 5]
+
+
+def test_kvbench_measures_every_transport_between_two_processes(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "kv.json"
+    subprocess.run([sys.executable, "-m", "pdserve.cli", "kvbench", "--mib", "2", "--repeat",
+                    "2", "--out", str(out)], check=True, timeout=300, capture_output=True)
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"memcpy", "tcp socket", "grpc", "torch", "nixl"}
+    assert all(r["median_s"] > 0 and len(r["times_s"]) == 2 for r in results.values())
