@@ -86,7 +86,7 @@ class Route:
 class Router:
     """Knows the live workers, picks a (prefill, decode) pair per request, owns the channels.
 
-    Use: `await start()` in the serving loop, `pick_pair()` + `track()` per request,
+    Use: `await start()` in the serving loop, `route()` + `track()` per request,
     `await stop()` at shutdown. `refresh()` runs one poll (tests call it directly).
     """
 
@@ -288,7 +288,7 @@ class Router:
         return Route(prefill, decode, reason, cached_tokens)
 
     async def pick_pair(self) -> tuple[WorkerInfo, WorkerInfo]:
-        """(prefill, decode) by load alone."""
+        """(prefill, decode) for an empty prompt: the choice by load alone."""
         route = await self.route()
         return route.prefill, route.decode
 

@@ -18,7 +18,7 @@ from engine.engine import KVLayout
 from engine.request import TokenLogprob
 from kvtransfer.base import (KVReceiver, KVSender, KVSendStream, KVSink, KVTransferError,
                              LayoutMismatch, TransferTarget, check_layout)
-from kvtransfer.wire import (layout_from_pb, layout_to_pb, logprob_from_pb, logprob_to_pb,
+from kvtransfer.wire import (completion_chunk, first_logprob_of, layout_from_pb, layout_to_pb,
                              tensor_from_bytes, tensor_to_bytes)
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -38,6 +38,7 @@ class _GrpcSendStream(KVSendStream):
         self.kv = kv
         self.target = target
         self.step = sender.blocks_per_message
+        self.sender_layout = sender.layout
         self.layout = layout_to_pb(sender.layout)
         self._out: asyncio.Queue = asyncio.Queue()
         self.timeout_s = sender.timeout_s
@@ -73,11 +74,8 @@ class _GrpcSendStream(KVSendStream):
                      src_blocks: list[int] = (), dst_blocks: list[int] = ()) -> None:
         if src_blocks:
             await self.send(list(src_blocks), list(dst_blocks))
-        msg = pb.KVChunk(request_id=self.request_id, layout=self.layout, last=True,
-                         first_token_id=first_token)
-        if first_logprob is not None:
-            msg.first_logprob.CopyFrom(logprob_to_pb(first_logprob))
-        self._out.put_nowait(msg)
+        self._out.put_nowait(completion_chunk(self.request_id, self.sender_layout, first_token,
+                                              first_logprob))
         self._out.put_nowait(None)
         try:
             await asyncio.wait_for(asyncio.shield(self._result), self.timeout_s)
@@ -151,6 +149,6 @@ class GrpcKVReceiver(KVReceiver):
                 await asyncio.to_thread(self.sink.write_blocks, ids, data)
                 received += len(ids)
             if chunk.last:
-                lp = logprob_from_pb(chunk.first_logprob) if chunk.HasField("first_logprob") else None
-                await self.sink.complete(chunk.request_id, chunk.first_token_id, lp)
+                await self.sink.complete(chunk.request_id, chunk.first_token_id,
+                                         first_logprob_of(chunk))
         return pb.PushKVReply(blocks_received=received)

@@ -32,7 +32,7 @@ from engine.engine import KVLayout
 from engine.request import TokenLogprob
 from kvtransfer.base import (KVReceiver, KVSender, KVSendStream, KVSink, KVTransferError,
                              TransferTarget, check_layout)
-from kvtransfer.wire import chunk_from_bytes, completion_to_bytes, layout_from_pb, logprob_from_pb
+from kvtransfer.wire import chunk_from_bytes, completion_to_bytes, first_logprob_of, layout_from_pb
 from proto import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -295,8 +295,7 @@ class NixlKVReceiver(KVReceiver):
             return
         if self.sink.reserved_blocks(chunk.request_id) is None:
             return                               # aborted meanwhile
-        lp = logprob_from_pb(chunk.first_logprob) if chunk.HasField("first_logprob") else None
-        await self.sink.complete(chunk.request_id, chunk.first_token_id, lp)
+        await self.sink.complete(chunk.request_id, chunk.first_token_id, first_logprob_of(chunk))
 
     async def close(self) -> None:
         self._task.cancel()

@@ -36,7 +36,7 @@ from engine.engine import KVLayout
 from engine.request import TokenLogprob
 from kvtransfer.base import (KVReceiver, KVSender, KVSendStream, KVSink, KVTransferError,
                              TransferTarget, check_layout)
-from kvtransfer.wire import layout_from_pb, layout_to_pb, logprob_from_pb, logprob_to_pb
+from kvtransfer.wire import completion_chunk, first_logprob_of, layout_from_pb, layout_to_pb
 from proto import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -138,11 +138,8 @@ class _TorchSendStream(KVSendStream):
 
     async def finish(self, first_token: int, first_logprob: TokenLogprob | None,
                      src_blocks: list[int] = (), dst_blocks: list[int] = ()) -> None:
-        msg = self._chunk(dst_blocks)
-        msg.last = True
-        msg.first_token_id = first_token
-        if first_logprob is not None:
-            msg.first_logprob.CopyFrom(logprob_to_pb(first_logprob))
+        msg = completion_chunk(self.request_id, self.sender.layout, first_token, first_logprob,
+                               dst_blocks)
         await self._message(msg, list(src_blocks))
 
 
@@ -252,8 +249,8 @@ class TorchKVReceiver(KVReceiver):
         if data is not None:
             await asyncio.to_thread(self.sink.write_blocks, ids, data)
         if chunk.last:
-            lp = logprob_from_pb(chunk.first_logprob) if chunk.HasField("first_logprob") else None
-            await self.sink.complete(chunk.request_id, chunk.first_token_id, lp)
+            await self.sink.complete(chunk.request_id, chunk.first_token_id,
+                                     first_logprob_of(chunk))
 
     async def close(self) -> None:
         self._closed.set()

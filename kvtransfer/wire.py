@@ -57,15 +57,25 @@ def tensor_from_bytes(data: bytes, layout: KVLayout, num_blocks: int) -> torch.T
     return flat.view(DTYPES[layout.dtype]).view(shape)
 
 
-def completion_to_bytes(request_id: str, layout: KVLayout, first_token: int,
-                        first_logprob: TokenLogprob | None) -> bytes:
-    """The end of a transfer as bytes (a KVChunk without data, last=True), for transports whose
-    control messages are opaque bytes (NIXL notifications, torch.distributed tensors)."""
+def completion_chunk(request_id: str, layout: KVLayout, first_token: int,
+                     first_logprob: TokenLogprob | None, block_ids=()) -> pb.KVChunk:
+    """The last message of a transfer (last=True): the first token, and blocks if any."""
     msg = pb.KVChunk(request_id=request_id, layout=layout_to_pb(layout), last=True,
-                     first_token_id=first_token)
+                     first_token_id=first_token, block_ids=list(block_ids))
     if first_logprob is not None:
         msg.first_logprob.CopyFrom(logprob_to_pb(first_logprob))
-    return msg.SerializeToString()
+    return msg
+
+
+def first_logprob_of(chunk: pb.KVChunk) -> TokenLogprob | None:
+    return logprob_from_pb(chunk.first_logprob) if chunk.HasField("first_logprob") else None
+
+
+def completion_to_bytes(request_id: str, layout: KVLayout, first_token: int,
+                        first_logprob: TokenLogprob | None) -> bytes:
+    """completion_chunk as bytes, for transports whose control messages are opaque bytes (NIXL
+    notifications)."""
+    return completion_chunk(request_id, layout, first_token, first_logprob).SerializeToString()
 
 
 def chunk_from_bytes(data: bytes) -> pb.KVChunk:
