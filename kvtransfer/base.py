@@ -3,8 +3,9 @@
 Sender side (prefill): `stream = sender.open(request_id, kv, target)` starts one request's
 transfer into the decode worker's reserved blocks; `await stream.send(src_blocks, dst_blocks)`
 moves blocks of the pool tensor `kv[layer, k_or_v, block, ...]` as soon as their KV is final (one
-call per prefill chunk, so the transfer overlaps the computation of the next chunk) and returns once
-the source blocks have been read (the caller may then free them); `await stream.finish(first_token,
+call per prefill chunk, so the transfer overlaps the computation of the next chunk); it may return
+before the bytes have moved, so the caller keeps every sent source block unchanged (pinned) until
+`finish` or `abort` returns; `await stream.finish(first_token,
 first_logprob, src_blocks, dst_blocks)` sends the last blocks, waits until the receiver has every
 block and delivers the first token;
 `await stream.abort()` gives up. Blocks the decode worker already holds (`target.num_cached_blocks`,

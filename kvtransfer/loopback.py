@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import grpc
 import torch
@@ -25,6 +26,7 @@ class MemorySink:
                               layout.num_kv_heads, layout.head_dim, dtype=DTYPES[layout.dtype])
         self.reservations: dict[str, list[int]] = {}
         self.completed: dict[str, tuple[int, TokenLogprob | None]] = {}
+        self.completed_at: dict[str, float] = {}     # time.monotonic(), comparable across processes
         self.done = asyncio.Event()
 
     @property
@@ -44,6 +46,7 @@ class MemorySink:
                        first_logprob: TokenLogprob | None) -> None:
         self.reservations.pop(request_id)
         self.completed[request_id] = (first_token, first_logprob)
+        self.completed_at[request_id] = time.monotonic()
         self.done.set()
 
 

@@ -112,7 +112,8 @@ class _NixlSendStream(KVSendStream):
                 agent.get_xfer_descs([(a, n, self.peer.device_id) for a, n in remote],
                                      self.peer.memory_type))
 
-    async def _write(self, src: list[int], dst: list[int], notif: bytes = b"") -> None:
+    def _post(self, src: list[int], dst: list[int], notif: bytes = b"") -> None:
+        """Start one WRITE; it completes in the background (`_reap`, `_wait`)."""
         agent = self.sender.agent
         local, remote = self._descs(src, dst)
         try:
@@ -123,20 +124,26 @@ class _NixlSendStream(KVSendStream):
         self._handles.append(handle)
         if state == "ERR":
             raise KVTransferError(f"NIXL write to {self.target.engine_id} failed to start")
-        await self._wait()
 
-    async def _wait(self) -> None:
-        """Until every WRITE so far is done (the source blocks may then be reused)."""
+    def _reap(self) -> None:
+        """Release the WRITEs that are done, oldest first (this also progresses UCX)."""
         agent = self.sender.agent
-        deadline = time.monotonic() + self.sender.timeout_s
-        pause = _POLL_MIN_S
         while self._handles:
             state = agent.check_xfer_state(self._handles[0])
-            if state == "DONE":
-                agent.release_xfer_handle(self._handles.pop(0))
-                continue
             if state == "ERR":
                 raise KVTransferError(f"NIXL write to {self.target.engine_id} failed")
+            if state != "DONE":
+                return
+            agent.release_xfer_handle(self._handles.pop(0))
+
+    async def _wait(self) -> None:
+        """Until every WRITE so far is done."""
+        deadline = time.monotonic() + self.sender.timeout_s
+        pause = _POLL_MIN_S
+        while True:
+            self._reap()
+            if not self._handles:
+                return
             if time.monotonic() > deadline:
                 raise KVTransferError(f"NIXL write to {self.target.engine_id} did not complete "
                                       f"within {self.sender.timeout_s:g} s")
@@ -144,15 +151,22 @@ class _NixlSendStream(KVSendStream):
             pause = min(pause * 2, _POLL_MAX_S)
 
     async def send(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
-        await self._write(list(src_blocks), list(dst_blocks))
+        """Posts the WRITE and returns: the copy runs while the next chunk computes. The
+        source blocks must stay unchanged until finish() or abort() returns."""
+        self._reap()
+        self._post(list(src_blocks), list(dst_blocks))
 
     async def finish(self, first_token: int, first_logprob: TokenLogprob | None,
                      src_blocks: list[int] = (), dst_blocks: list[int] = ()) -> None:
         done = completion_to_bytes(self.request_id, self.sender.layout, first_token,
                                    first_logprob)
-        if src_blocks:       # the notification travels with the last WRITE, after its data
-            await self._write(list(src_blocks), list(dst_blocks), done)
+        if src_blocks:
+            # The notification travels with the last WRITE: NIXL sends it once the endpoint
+            # is flushed, so after the data of this WRITE and of every earlier one.
+            self._post(list(src_blocks), list(dst_blocks), done)
+            await self._wait()
         else:
+            await self._wait()
             try:
                 self.sender.agent.send_notif(self.remote, done)
             except Exception as exc:

@@ -188,6 +188,8 @@ class TorchKVReceiver(KVReceiver):
         self.layout = sink.layout
         self._next = 0
         self._closed = threading.Event()
+        self._groups: list = []
+        self._threads: list[threading.Thread] = []
         threading.Thread(target=self._accept, name="kv-accept", daemon=True).start()
 
     def address(self) -> str:
@@ -205,8 +207,10 @@ class TorchKVReceiver(KVReceiver):
                     continue
             if self._closed.is_set():
                 return
-            threading.Thread(target=self._receive, args=(channel,), name=f"kv-recv-{n}",
-                             daemon=True).start()
+            thread = threading.Thread(target=self._receive, args=(channel,),
+                                      name=f"kv-recv-{n}", daemon=True)
+            self._threads.append(thread)
+            thread.start()
 
     def _receive(self, channel: str) -> None:
         try:
@@ -215,6 +219,7 @@ class TorchKVReceiver(KVReceiver):
         except Exception:
             log.exception("torch.distributed channel %s: group setup failed", channel)
             return
+        self._groups.append(group)
         lay = self.layout
         while not self._closed.is_set():
             try:
@@ -231,6 +236,8 @@ class TorchKVReceiver(KVReceiver):
                                        device=self.sink.pool.device)
                     group.recv([data], 0, 0).wait()
             except Exception as exc:      # the sender went away (or timed out): end the channel
+                if self._closed.is_set():
+                    return
                 log.info("torch.distributed channel %s closed: %s", channel, exc)
                 return
             chunk = pb.KVChunk.FromString(meta.numpy().tobytes())
@@ -255,3 +262,10 @@ class TorchKVReceiver(KVReceiver):
     async def close(self) -> None:
         self._closed.set()
         self.store.set(f"channel/{self._next}", "")      # wakes the accept thread: it returns
+        for group in self._groups:     # ends receives still waiting on senders that did not
+            try:                       # say goodbye (else gloo aborts the process at exit)
+                group.abort()
+            except Exception:
+                pass
+        for thread in self._threads:
+            await asyncio.to_thread(thread.join, 5.0)

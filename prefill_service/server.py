@@ -65,6 +65,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         t0 = time.perf_counter()
         queue = stream = None
         done = False
+        pinned: list[int] = []     # sent blocks stay pinned until the transfer is done with them
         try:
             try:
                 queue = await self.aengine.add(req)
@@ -78,35 +79,34 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                 if out.error:
                     await context.abort(grpc.StatusCode.INTERNAL, out.error)
                 blocks = out.kv_blocks or []
+                pinned += blocks
                 skip = min(max(target.num_cached_blocks - sent, 0), len(blocks))
                 src, dst = blocks[skip:], list(target.block_ids[sent + skip:sent + len(blocks)])
                 sent += len(blocks)
                 if t_send is None and src:
                     t_send = time.perf_counter()
-                try:
-                    if out.finished:
-                        t1 = time.perf_counter()
-                        lp = out.new_logprobs[0] if out.new_logprobs else None
-                        await stream.finish(out.new_token_ids[0], lp, src, dst)
-                        done = True
-                        t2 = time.perf_counter()
-                        moved = sent - target.num_cached_blocks
-                        self.transfers.done(moved, self.block_bytes, t2 - (t_send or t1))
-                        log.info("request %s: %d prompt tokens (%d cached here) prefilled in "
-                                 "%.3f s; %d blocks sent to %s, %.3f s of transfer after the "
-                                 "last chunk", rid, req.num_prompt_tokens, req.num_cached_tokens,
-                                 t1 - t0, moved, target.engine_id, t2 - t1)
-                        break
-                    if src:
-                        await stream.send(src, dst)
-                finally:
-                    self.aengine.unpin(blocks)
+                if out.finished:
+                    t1 = time.perf_counter()
+                    lp = out.new_logprobs[0] if out.new_logprobs else None
+                    await stream.finish(out.new_token_ids[0], lp, src, dst)
+                    done = True
+                    t2 = time.perf_counter()
+                    moved = sent - target.num_cached_blocks
+                    self.transfers.done(moved, self.block_bytes, t2 - (t_send or t1))
+                    log.info("request %s: %d prompt tokens (%d cached here) prefilled in "
+                             "%.3f s; %d blocks sent to %s, %.3f s of transfer after the "
+                             "last chunk", rid, req.num_prompt_tokens, req.num_cached_tokens,
+                             t1 - t0, moved, target.engine_id, t2 - t1)
+                    break
+                if src:
+                    await stream.send(src, dst)
         except KVTransferError as exc:
             self.transfers.failed("send")
             await context.abort(grpc.StatusCode.ABORTED, str(exc))
         finally:
             if stream is not None and not done:
                 await stream.abort()
+            self.aengine.unpin(pinned)
             if queue is not None:
                 self.aengine.drain(queue)
             self.aengine.abort_nowait(rid)          # frees the held blocks in every case

@@ -144,5 +144,6 @@ def test_kvbench_measures_every_transport_between_two_processes(tmp_path):
     subprocess.run([sys.executable, "-m", "pdserve.cli", "kvbench", "--mib", "2", "--repeat",
                     "2", "--out", str(out)], check=True, timeout=300, capture_output=True)
     results = json.loads(out.read_text())["results"]
-    assert set(results) == {"memcpy", "tcp socket", "grpc", "torch", "nixl"}
+    # cma needs ptrace rights over the child (Yama scope 0 or 1: it is our child)
+    assert set(results) - {"cma"} == {"memcpy", "tcp socket", "grpc", "torch", "nixl"}
     assert all(r["median_s"] > 0 and len(r["times_s"]) == 2 for r in results.values())

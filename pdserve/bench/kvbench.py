@@ -1,13 +1,19 @@
 """`pdserve kvbench`: how fast each KV transport moves blocks between two processes, against a
-plain memcpy and a plain TCP socket on the same machine.
+plain memcpy, a plain TCP socket and the kernel's cross-process copy on the same machine.
 
 The receiver is a child process with a pool in memory (kvtransfer.loopback); it prints its
 transfer target, then a line per completed request. The parent owns a pool of the same layout
 (the default model's: 30 layers, 3 KV heads, head size 64, blocks of 16 tokens, fp32) and sends
 `--mib` of blocks per request the way a prefill worker does: `--chunk-blocks` blocks per send,
-the last ones with the first token. A request's time runs from the first send to the receiver
-reporting it complete. Baselines: memcpy = copying the same bytes between two tensors in one
-process (the floor for any transport); TCP = the same bytes through one socket to the child.
+the last ones with the first token. A request's time runs from the first send to the moment the
+receiver knows it is complete (both read CLOCK_MONOTONIC, which is shared by all processes).
+
+Baselines: memcpy = copying the same bytes between two tensors in one process (the floor for
+any transport); TCP = the same bytes through one socket to the child; cma = the same regions
+the nixl transport writes (one per layer, K/V and chunk), copied straight into the child's
+memory with process_vm_writev, one call per chunk: the kernel's single-copy path between two
+processes, which UCX uses for host memory on one machine when no xpmem/knem module is loaded
+(the floor for nixl on such a host).
 """
 
 from __future__ import annotations
@@ -15,9 +21,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import ctypes
 import json
+import os
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import time
@@ -54,7 +63,11 @@ async def _receive(name: str, num_blocks: int, requests: int) -> None:
             print(f"ready r{i}", flush=True)
             while f"r{i}" not in sink.completed:
                 await asyncio.sleep(0.0002)
-            print(f"done r{i} {sink.kv[-1, -1, -1].sum().item():.6f}", flush=True)
+            print(f"done r{i} {sink.completed_at[f'r{i}']!r} {_checksum(sink.kv)}", flush=True)
+
+
+def _checksum(kv: torch.Tensor) -> str:
+    return f"{kv[-1, -1, -1].sum().item():.6f}"
 
 
 def _tcp_receive(port: int, nbytes: int, requests: int) -> None:
@@ -67,7 +80,19 @@ def _tcp_receive(port: int, nbytes: int, requests: int) -> None:
             got = 0
             while got < nbytes:
                 got += conn.recv_into(view[got:], nbytes - got)
-            conn.sendall(b"k")
+            conn.sendall(struct.pack("d", time.monotonic()))
+
+
+def _cma_receive(num_blocks: int) -> None:
+    """A pool the parent writes into with process_vm_writev; its checksum on request."""
+    kv = torch.ones(LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads,
+                    LAYOUT.head_dim)         # ones, not zeros: every page is touched
+    print("cma", os.getpid(), kv.data_ptr(), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "sum":
+            print("sum", _checksum(kv), flush=True)
+        else:
+            return
 
 
 # ---------------------------------------------------------------------- the sender
@@ -98,7 +123,7 @@ async def _send(name: str, src: torch.Tensor, chunk: int, requests: int) -> list
         times = []
         for i in range(requests):
             _line(child, "ready")
-            t0 = time.perf_counter()
+            t0 = time.monotonic()
             stream = sender.open(f"r{i}", src, target)
             ids = list(range(n))
             for start in range(0, n - chunk, chunk):
@@ -106,9 +131,8 @@ async def _send(name: str, src: torch.Tensor, chunk: int, requests: int) -> list
             last = ids[(max(n - 1, 0) // chunk) * chunk:]
             await stream.finish(1, None, last, last)
             words = await asyncio.to_thread(_line, child, "done")
-            times.append(time.perf_counter() - t0)
-            want = f"{src[-1, -1, -1].sum().item():.6f}"
-            if words[-1] != want:
+            times.append(float(words[2]) - t0)
+            if words[3] != _checksum(src):
                 raise RuntimeError(f"{name}: the receiver's last block differs ({words})")
         await sender.close()
         return times
@@ -135,12 +159,50 @@ def _tcp(nbytes: int, requests: int) -> list[float]:
         times = []
         with socket.create_connection(("127.0.0.1", port)) as conn:
             for _ in range(requests):
-                t0 = time.perf_counter()
+                t0 = time.monotonic()
                 conn.sendall(payload)
-                conn.recv(1)
-                times.append(time.perf_counter() - t0)
+                times.append(struct.unpack("d", conn.recv(8, socket.MSG_WAITALL))[0] - t0)
         return times
     finally:
+        child.wait(timeout=30)
+
+
+class _IOVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _cma(src: torch.Tensor, chunk: int, requests: int) -> list[float]:
+    from kvtransfer.nixl_transport import block_regions
+
+    n = src.shape[2]
+    child = subprocess.Popen([sys.executable, "-m", "pdserve.bench.kvbench", "--serve-cma",
+                              "--num-blocks", str(n)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        _, pid, base = _line(child, "cma")
+        writev = ctypes.CDLL(None, use_errno=True).process_vm_writev
+        calls = []
+        for start in range(0, n, chunk):
+            ids = list(range(start, min(start + chunk, n)))
+            local = block_regions(src.data_ptr(), n, LAYOUT, src.element_size(), ids)
+            remote = block_regions(int(base), n, LAYOUT, src.element_size(), ids)
+            calls.append(((_IOVec * len(local))(*local), (_IOVec * len(remote))(*remote),
+                          len(local), sum(size for _, size in local)))
+        times = []
+        for _ in range(requests):
+            t0 = time.monotonic()
+            for local, remote, count, size in calls:
+                if writev(int(pid), local, count, remote, count, 0) != size:
+                    raise OSError(ctypes.get_errno(), "process_vm_writev: "
+                                  + os.strerror(ctypes.get_errno()))
+            times.append(time.monotonic() - t0)
+        child.stdin.write("sum\n")
+        child.stdin.flush()
+        if _line(child, "sum")[1] != _checksum(src):
+            raise RuntimeError("cma: the receiver's last block differs")
+        return times
+    finally:
+        child.stdin.close()
         child.wait(timeout=30)
 
 
@@ -152,6 +214,10 @@ def run(args) -> dict:
     src = torch.randn(LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads,
                       LAYOUT.head_dim)
     results = {"memcpy": _memcpy(src, args.repeat), "tcp socket": _tcp(nbytes, args.repeat)}
+    try:
+        results["cma"] = _cma(src, args.chunk_blocks, args.repeat)
+    except OSError as exc:      # ptrace restrictions (Yama) or a kernel without CMA
+        print(f"cma baseline skipped: {exc}")
     for name in args.transports.split(","):
         results[name] = asyncio.run(_send(name, src, args.chunk_blocks, args.repeat))
     base = statistics.median(results["memcpy"])
@@ -179,12 +245,15 @@ def _child(argv: list[str]) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--serve")
     p.add_argument("--serve-tcp", type=int)
+    p.add_argument("--serve-cma", action="store_true")
     p.add_argument("--num-blocks", type=int, default=0)
     p.add_argument("--nbytes", type=int, default=0)
     p.add_argument("--requests", type=int, default=1)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    if a.serve_tcp:
+    if a.serve_cma:
+        _cma_receive(a.num_blocks)
+    elif a.serve_tcp:
         _tcp_receive(a.serve_tcp, a.nbytes, a.requests)
     else:
         asyncio.run(_receive(a.serve, a.num_blocks, a.requests))
