@@ -41,6 +41,15 @@ def resolve_compute_dtype(dtype: str, compute_dtype: str, device: str) -> str:
         return dtype
     return dtype if _cpu_flags() & set(_NATIVE_CPU_FLAGS[dtype]) else "float32"
 
+def parse_speculative(spec: str) -> tuple[str, str | None]:
+    """--speculative: "off" | "ngram" | "draft:PATH" -> (kind, path or None)."""
+    if spec in ("off", "ngram"):
+        return spec, None
+    if spec.startswith("draft:") and len(spec) > len("draft:"):
+        return "draft", spec[len("draft:"):]
+    raise ValueError(f"speculative must be 'off', 'ngram' or 'draft:PATH', got {spec!r}")
+
+
 # HF architecture name -> our model family (see engine/models).
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -143,6 +152,11 @@ class EngineConfig:
     long_prefill_tokens: int = 0         # chunk cap while others wait; 0: a quarter of the budget
     enable_prefix_caching: bool = True
     hash_seed: int = 0                   # block hash seed; the same on every worker
+    speculative: str = "off"             # "off", "ngram" or "draft:PATH" (engine.spec)
+    num_speculative_tokens: int = 8      # most proposals verified per sequence and step
+    spec_ngram_min: int = 2              # n-gram prompt lookup: shortest and longest match
+    spec_ngram_max: int = 4
+    spec_disable_batch_size: int = 0     # > 0: no speculation while more sequences decode
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -157,6 +171,15 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         if self.num_blocks < 0 or self.max_model_len < 0 or self.long_prefill_tokens < 0:
             raise ValueError("num_blocks, max_model_len and long_prefill_tokens must be >= 0")
+        parse_speculative(self.speculative)
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be in [1, 16], got "
+                             f"{self.num_speculative_tokens}")
+        if not 1 <= self.spec_ngram_min <= self.spec_ngram_max:
+            raise ValueError(f"n-gram sizes need 1 <= spec_ngram_min <= spec_ngram_max, got "
+                             f"{self.spec_ngram_min}, {self.spec_ngram_max}")
+        if self.spec_disable_batch_size < 0:
+            raise ValueError("spec_disable_batch_size must be >= 0 (0: decided by cost)")
 
     @property
     def long_prefill_cap(self) -> int:
@@ -194,4 +217,4 @@ def blocks_for_gib(model: ModelConfig, engine: EngineConfig, gib: float) -> int:
     return n
 
 
-__all__ = ["DTYPES", "resolve_compute_dtype", "ModelConfig", "EngineConfig", "kv_bytes_per_block", "blocks_for_gib"]
+__all__ = ["DTYPES", "resolve_compute_dtype", "parse_speculative", "ModelConfig", "EngineConfig", "kv_bytes_per_block", "blocks_for_gib"]

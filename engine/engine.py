@@ -15,10 +15,11 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.block_hash import BlockHasher
 from engine.block_pool import BlockPool, KVCacheManager
-from engine.config import EngineConfig, ModelConfig
-from engine.request import Request, RequestOutput, TokenLogprob
+from engine.config import EngineConfig, ModelConfig, parse_speculative
+from engine.request import Request, RequestOutput, Status, TokenLogprob
 from engine.sampler import sample
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.spec import DraftProposer, NgramProposer, SpecController, verify
 from engine.weights import load_model
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,9 @@ class EngineStats:
     steps: int = 0
     tokens: int = 0
     preemptions: int = 0
+    spec_proposed: int = 0       # speculative tokens verified
+    spec_accepted: int = 0       # of which accepted
+    spec_seq_steps: int = 0      # (sequence, step) pairs that verified proposals
 
 
 @dataclass(frozen=True)
@@ -52,11 +56,15 @@ class StepStats:
     num_generated: int           # tokens sampled in the step
     num_preempted: int
     duration_s: float
+    num_spec_proposed: int = 0   # speculative tokens verified in the step
+    num_spec_accepted: int = 0
+    num_spec_seqs: int = 0       # sequences that verified proposals
 
 
 class Engine:
     def __init__(self, model_dir: str | Path, cfg: EngineConfig,
-                 model_cfg: ModelConfig | None = None, model: torch.nn.Module | None = None):
+                 model_cfg: ModelConfig | None = None, model: torch.nn.Module | None = None,
+                 draft_model: torch.nn.Module | None = None):
         self.model_cfg = model_cfg or ModelConfig.from_dir(model_dir)
         if cfg.num_blocks <= 0:
             raise ValueError("EngineConfig.num_blocks must be resolved before building an Engine")
@@ -77,6 +85,20 @@ class Engine:
         self.scheduler = Scheduler(cfg, self.kv_manager, m.eos_token_ids, cfg.max_model_len)
         self.stats = EngineStats()
         self.last_step: StepStats | None = None
+        self.proposer, self.spec = self._speculation(draft_model)
+        self._draft_probs: dict[str, torch.Tensor] = {}   # this step's draft distributions
+
+    def _speculation(self, draft_model):
+        kind, path = parse_speculative(self.cfg.speculative)
+        if kind == "off" or self.cfg.role == "prefill":
+            return None, None
+        if kind == "ngram":
+            proposer = NgramProposer(self.cfg.spec_ngram_min, self.cfg.spec_ngram_max)
+        else:       # the draft never holds more tokens than the target: as many blocks
+            proposer = DraftProposer(path, self.model_cfg, self.cfg, self.cfg.num_blocks,
+                                     model=draft_model)
+        return proposer, SpecController(self.cfg.num_speculative_tokens,
+                                        self.cfg.spec_disable_batch_size)
 
     # ------------------------------------------------------------------ requests
     def check_fits(self, req: Request) -> None:
@@ -103,7 +125,13 @@ class Engine:
         return self.scheduler.remote_ready(request_id, first_token, logprob)
 
     def abort(self, request_id: str) -> bool:
+        self._forget(request_id)
         return self.scheduler.abort(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        if self.proposer is not None:
+            self.proposer.release(request_id)
+            self.spec.release(request_id)
 
     def release(self, request_id: str) -> None:
         self.scheduler.release(request_id)
@@ -125,6 +153,8 @@ class Engine:
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        if self.proposer is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         self.stats.preemptions += len(sched.preempted)
         if not sched.scheduled:
@@ -134,18 +164,90 @@ class Engine:
                                                - s.request.num_computed_tokens, 0))
                      for s in sched.scheduled)
         input_ids, positions, meta, sample_rows = self._prepare(sched)
+        t_fwd = time.perf_counter()
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, self.kv, meta)          # [T, hidden]
             logits = self.model.compute_logits(hidden[sample_rows])           # [S, vocab]
-        reqs = [s.request for s in sched.scheduled if s.sample]
-        tokens, logprobs = sample(logits, [r.params for r in reqs],
-                                  [len(r.output_token_ids) for r in reqs])
+        tokens, logprobs = self._sample(sched, logits)
+        t_done = time.perf_counter()
         self.stats.steps += 1
         self.stats.tokens += sched.num_tokens
+        spec = [(s, len(t) - 1) for s, t in zip((s for s in sched.scheduled if s.sample), tokens)
+                if s.num_spec]
         outputs = self.scheduler.update(sched, tokens, logprobs)
-        self.last_step = StepStats(len(sched.scheduled), sched.num_tokens, prompt, len(tokens),
-                                   len(sched.preempted), time.perf_counter() - t0)
+        if self.proposer is not None:
+            self.spec.observe_step(sched.num_tokens, t_done - t_fwd)
+            for s, accepted in spec:
+                self.spec.record(s.request.request_id, s.num_spec, accepted)
+                self.proposer.verified(s.request)
+            for o in outputs:
+                if o.finished:
+                    self._forget(o.request_id)
+        proposed = sum(s.num_spec for s, _ in spec)
+        accepted = sum(a for _, a in spec)
+        self.stats.spec_proposed += proposed
+        self.stats.spec_accepted += accepted
+        self.stats.spec_seq_steps += len(spec)
+        self.last_step = StepStats(len(sched.scheduled), sched.num_tokens, prompt,
+                                   sum(len(t) for t in tokens), len(sched.preempted),
+                                   time.perf_counter() - t0, proposed, accepted, len(spec))
         return outputs
+
+    def _propose(self) -> None:
+        """Proposals for the running sequences that decode this step (req.spec_token_ids)."""
+        reqs = [r for r in self.scheduler.running
+                if r.status is Status.RUNNING and r.num_tokens - r.num_computed_tokens == 1]
+        if not reqs:
+            return
+        k = self.cfg.num_speculative_tokens
+        limits = [max(0, min(k, r.params.max_tokens - len(r.output_token_ids) - 1,
+                             self.cfg.max_model_len - r.num_tokens - 1)) for r in reqs]
+        others = min(sum(r.num_tokens - r.num_computed_tokens for r in self.scheduler.running
+                         if r.num_tokens - r.num_computed_tokens > 1),
+                     self.cfg.max_num_batched_tokens)
+        if self.proposer.free:              # cheap: see what is on offer, then choose
+            offers = self.proposer.propose(reqs, limits)
+            ks = self.spec.plan([r.request_id for r in reqs], [len(o.tokens) for o in offers],
+                                others)
+            props = [o.truncated(kk) for o, kk in zip(offers, ks)]
+        else:
+            ks = self.spec.plan([r.request_id for r in reqs], limits, others)
+            t0 = time.perf_counter()
+            props = self.proposer.propose(reqs, ks)
+            self.spec.observe_draft(time.perf_counter() - t0, sum(len(p.tokens) for p in props))
+        self._draft_probs = {}
+        for r, p in zip(reqs, props):
+            r.spec_token_ids = list(p.tokens)
+            if p.probs is not None:
+                self._draft_probs[r.request_id] = p.probs
+
+    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor):
+        """Tokens per sampled request: plain sampling, or verification of its proposals."""
+        scheduled = [s for s in sched.scheduled if s.sample]
+        tokens: list[list[int]] = [[] for _ in scheduled]
+        logprobs: list[list] = [[] for _ in scheduled]
+        plain, rows, row = [], [], 0
+        for j, s in enumerate(scheduled):
+            req = s.request
+            if s.num_spec:
+                probs = self._draft_probs.get(req.request_id)
+                if probs is not None:
+                    probs = probs[:s.num_spec]
+                tokens[j], logprobs[j] = verify(logits[row:row + 1 + s.num_spec], req.params,
+                                                len(req.output_token_ids), req.spec_token_ids,
+                                                probs)
+                row += 1 + s.num_spec
+            else:
+                plain.append(j)
+                rows.append(row)
+                row += 1
+        if plain:
+            reqs = [scheduled[j].request for j in plain]
+            toks, lps = sample(logits[rows], [r.params for r in reqs],
+                               [len(r.output_token_ids) for r in reqs])
+            for j, t, lp in zip(plain, toks, lps):
+                tokens[j], logprobs[j] = [t], [lp]
+        return tokens, logprobs
 
     def _prepare(self, sched: SchedulerOutput):
         """Flatten the scheduled requests into the step's inputs: token ids [T], positions [T],
@@ -154,13 +256,14 @@ class Engine:
         for s in sched.scheduled:
             req = s.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
-            ids.extend(req.all_token_ids[start:end])
+            ids.extend((req.all_token_ids + req.spec_token_ids)[start:end] if s.num_spec
+                       else req.all_token_ids[start:end])
             pos.extend(range(start, end))
             tables.append(self.kv_manager.block_table(req.request_id))
             starts.append(start)
             q_lens.append(s.num_new_tokens)
-            if s.sample:
-                sample_rows.append(len(ids) - 1)
+            if s.sample:            # the last position, and each proposal's
+                sample_rows.extend(range(len(ids) - 1 - s.num_spec, len(ids)))
         dev = self.device
         meta = AttentionMetadata.build(tables, starts, q_lens, self.cfg.block_size, dev)
         return (torch.tensor(ids, dtype=torch.long, device=dev),

@@ -74,6 +74,7 @@ class Request:
     num_cached_blocks: int = 0            # leading blocks registered in the prefix cache
     num_cached_tokens: int = 0            # prompt tokens found in the prefix cache at admission
     num_blocks_streamed: int = 0          # prefill: leading blocks handed out for transfer
+    spec_token_ids: list[int] = field(default_factory=list)  # proposals verified this step
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -24,8 +24,9 @@ from engine.request import Request, RequestOutput, Status, TokenLogprob
 @dataclass(frozen=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int     # including num_spec proposals
     sample: bool            # this step reaches the end of the request's tokens
+    num_spec: int = 0       # speculative tokens (request.spec_token_ids) verified this step
 
 
 @dataclass
@@ -142,8 +143,17 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING:
                 continue                          # preempted earlier in this step
-            n = min(req.num_tokens - req.num_computed_tokens, budget, cap)
+            spec = req.spec_token_ids
+            if spec:        # a decode with proposals: its token and what fits of them
+                del spec[max(budget - 1, 0):]
+                n = 1 + len(spec)
+            else:
+                n = min(req.num_tokens - req.num_computed_tokens, budget, cap)
             while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
+                if spec:                            # drop the proposals before preempting
+                    spec.clear()
+                    n = 1
+                    continue
                 victim = self.running[-1]           # the newest request gives way
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
@@ -182,7 +192,8 @@ class Scheduler:
 
     @staticmethod
     def _scheduled(req: Request, n: int) -> ScheduledRequest:
-        return ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens)
+        k = len(req.spec_token_ids)
+        return ScheduledRequest(req, n, req.num_computed_tokens + n - k == req.num_tokens, k)
 
     def _note_hits(self, req: Request, num_blocks: int) -> None:
         """Admission of a request with nothing computed: its cached prefix is `num_blocks`."""
@@ -191,6 +202,7 @@ class Scheduler:
         self.kv.count_query(req.num_tokens, req.num_cached_tokens)
 
     def _preempt(self, req: Request) -> None:
+        req.spec_token_ids.clear()
         self.running.remove(req)
         self.kv.free(req.request_id)
         req.num_computed_tokens = req.num_cached_blocks = 0
@@ -199,24 +211,37 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # ------------------------------------------------------------------ after the forward pass
-    def update(self, sched: SchedulerOutput, tokens: list[int],
-               logprobs: list[TokenLogprob | None]) -> list[RequestOutput]:
-        """Advance the scheduled requests; `tokens` has one entry per request with sample=True."""
+    def update(self, sched: SchedulerOutput, tokens: list[list[int] | int],
+               logprobs: list[list[TokenLogprob | None] | TokenLogprob | None]
+               ) -> list[RequestOutput]:
+        """Advance the scheduled requests. `tokens` has an entry per request with sample=True:
+        the token sampled after its last position (an int, or a list of one), or, for a request
+        that verified proposals, the accepted ones followed by the target's own
+        (engine.spec.verify); `logprobs` matches it."""
         outputs = []
         it = iter(zip(tokens, logprobs))
         for s in sched.scheduled:
             req = s.request
-            req.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_computed_blocks(req)
             if not s.sample:
+                req.num_computed_tokens += s.num_new_tokens
+                self.kv.cache_computed_blocks(req)
                 if self.cfg.role == "prefill":
                     ready = self._blocks_for_transfer(req, final=False)
                     if ready:
                         outputs.append(RequestOutput(req.request_id, [], [], kv_blocks=ready))
                 continue
-            tok, lp = next(it)
-            req.append_token(tok, lp)
-            out = self._check_finish(req, [tok], [lp] if lp else [])
+            toks, lps = next(it)
+            if isinstance(toks, int):
+                toks, lps = [toks], [lps]
+            out = self._append(req, toks, lps)
+            # KV is valid for the request's token and the accepted proposals only (those kept:
+            # tokens after a stop are dropped); the slots of rejected ones are written again
+            # when their real tokens are computed
+            req.num_computed_tokens = min(
+                req.num_computed_tokens + s.num_new_tokens - s.num_spec + len(toks) - 1,
+                req.num_tokens)
+            req.spec_token_ids = []
+            self.kv.cache_computed_blocks(req)
             if req.finished:
                 self.running.remove(req)
                 if self.cfg.role == "prefill":
@@ -238,6 +263,20 @@ class Scheduler:
         self.kv.pool.take(ready)
         req.num_blocks_streamed = max(req.num_blocks_streamed, n)
         return ready
+
+    def _append(self, req: Request, toks: list[int], lps: list) -> RequestOutput:
+        """Append tokens until one finishes the request (EOS, max_tokens, model length); the
+        rest (later accepted proposals) are dropped."""
+        kept, kept_lps = [], []
+        for tok, lp in zip(toks, lps):
+            req.append_token(tok, lp)
+            kept.append(tok)
+            if lp is not None:
+                kept_lps.append(lp)
+            out = self._check_finish(req, kept, kept_lps)
+            if out.finished:
+                return out
+        return out
 
     def _check_finish(self, req: Request, toks: list[int], lps: list) -> RequestOutput:
         reason = None

@@ -62,6 +62,21 @@ def _add_worker(p: argparse.ArgumentParser, role: str, port: int) -> None:
                    300.0, help="prefill: seconds a transfer may take before it fails and the "
                                 "blocks are freed; decode: seconds a reservation waits for its KV")
     if role == "decode":
+        spec = p.add_argument_group("speculative decoding")
+        spec.add_argument("--speculative", default="off", metavar="off|ngram|draft:PATH",
+                          help="propose tokens ahead and verify them in one pass: ngram = "
+                               "prompt lookup; draft:PATH = a smaller model folder with the "
+                               "same tokenizer (its KV is computed on this worker)")
+        spec.add_argument("--num-speculative-tokens", type=int, default=8,
+                          help="most proposals a sequence verifies per step (fewer when its "
+                               "acceptance or the batch's cost says so)")
+        spec.add_argument("--spec-ngram-min", type=int, default=2,
+                          help="shortest n-gram the prompt lookup matches")
+        spec.add_argument("--spec-ngram-max", type=int, default=4,
+                          help="longest n-gram the prompt lookup matches")
+        spec.add_argument("--spec-disable-batch-size", type=int, default=0,
+                          help="no speculation while more sequences than this decode (0: "
+                               "decided each step from the measured cost of tokens)")
         p.add_argument("--kv-load-failure", default="fail", choices=["fail", "recompute"],
                        help="when the KV does not arrive in time: fail the request, or compute "
                             "the prompt on this decode worker")
@@ -114,12 +129,15 @@ def _add_bench(sub) -> None:
                         help="JSON object merged into every request body, e.g. '{\"top_k\": 1}'")
     target.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     load = bench.add_argument_group("load")
-    load.add_argument("--workload", choices=["random", "shared-prefix", "long-burst"],
+    load.add_argument("--workload", choices=["random", "shared-prefix", "long-burst",
+                                             "code-edit"],
                       default="random",
                       help="random: --num-prompts prompts of --input-len tokens; shared-prefix: "
                            "--num-groups x --users-per-group prompts, each group sharing "
                            "--prefix-len tokens; long-burst: random short chats plus long prompts "
-                           "arriving at --long-rate, reported separately")
+                           "arriving at --long-rate, reported separately; code-edit: "
+                           "--num-prompts chat requests to return an edited code snippet whole "
+                           "(answers repeat the prompt)")
     load.add_argument("--num-prompts", type=int, default=64,
                       help="requests per run (random and long-burst's short chats)")
     load.add_argument("--input-len", type=int, default=256, help="prompt tokens (random)")
@@ -236,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     up.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     up.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV pool per worker in GiB")
+    up.add_argument("--speculative", default="off", metavar="off|ngram|draft:PATH",
+                    help="speculative decoding on the decode worker (see `pdserve decode -h`)")
     up.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                     help="turn the workers' prefix caches off")
     up.add_argument("--log-level", default="INFO")

@@ -157,7 +157,9 @@ def _start_all(args, stack: Stack) -> tuple[Path, str]:
         cmd = cli + [role, *_common(args, model), "--port", str(port), "--redis-url", redis_url,
                      "--threads", str(args.threads), "--dtype", args.dtype,
                      "--kv-cache-gib", str(args.kv_cache_gib),
-                     *([] if args.prefix_cache else ["--no-prefix-cache"])]
+                     *([] if args.prefix_cache else ["--no-prefix-cache"]),
+                     *(["--speculative", args.speculative]
+                       if role == "decode" and args.speculative != "off" else [])]
         addr = f"127.0.0.1:{port}"
         workers.append(stack.spawn(role, cmd, lambda a=addr: health.grpc_serving(a)))
     for worker in workers:  # both load the model at the same time

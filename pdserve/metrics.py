@@ -37,7 +37,8 @@ class WorkerMetrics:
 
     def __init__(self, role: str, worker_id: str, total_blocks: int,
                  load: Callable[[], tuple[int, int, int]],
-                 prefix: Callable[[], tuple[int, int, int, int]] | None = None) -> None:
+                 prefix: Callable[[], tuple[int, int, int, int]] | None = None,
+                 spec: str | None = None) -> None:
         self.registry = CollectorRegistry()
         labels = {"role": role, "worker": worker_id}
         self._labels = labels
@@ -83,6 +84,9 @@ class WorkerMetrics:
         self.step_time = Histogram("pdserve_step_duration_seconds", "Engine step wall time",
                                    list(labels), buckets=LATENCY_BUCKETS,
                                    registry=r).labels(**labels)
+        self.spec = None
+        if spec is not None:     # speculative decoding, labelled by proposer
+            self.spec = _SpecMetrics(r, dict(labels, proposer=spec))
 
     def transfers(self, transport: str) -> "TransferMetrics":
         return TransferMetrics(self.registry, self._labels, transport)
@@ -97,10 +101,45 @@ class WorkerMetrics:
         self.batch_seqs.observe(s.num_seqs)
         self.batch_tokens.observe(s.num_tokens)
         self.step_time.observe(s.duration_s)
+        if self.spec is not None:
+            self.spec.on_step(s)
 
     def serve(self, host: str, port: int) -> None:
         """Expose GET /metrics on host:port from a daemon thread."""
         start_http_server(port, addr=host, registry=self.registry)
+
+
+class _SpecMetrics:
+    """Speculative decoding: proposals verified and accepted, and what that made of a step."""
+
+    def __init__(self, r: CollectorRegistry, labels: dict[str, str]) -> None:
+        names = list(labels)
+
+        def counter(name, doc):
+            return Counter(name, doc, names, registry=r).labels(**labels)
+
+        self.proposed = counter("pdserve_spec_proposed_tokens", "Speculative tokens verified")
+        self.accepted = counter("pdserve_spec_accepted_tokens",
+                                "Speculative tokens accepted by the target model")
+        self.seq_steps = counter("pdserve_spec_sequence_steps",
+                                 "(sequence, step) pairs that verified proposals")
+        self.totals = [0, 0, 0]
+        g = Gauge("pdserve_spec_acceptance_rate", "Accepted / verified speculative tokens",
+                  names, registry=r)
+        g.labels(**labels).set_function(lambda: self.totals[1] / max(self.totals[0], 1))
+        g = Gauge("pdserve_spec_mean_accepted_length",
+                  "Tokens a speculating sequence gains per step (accepted + the target's own)",
+                  names, registry=r)
+        g.labels(**labels).set_function(
+            lambda: (self.totals[1] + self.totals[2]) / max(self.totals[2], 1))
+
+    def on_step(self, s) -> None:
+        self.proposed.inc(s.num_spec_proposed)
+        self.accepted.inc(s.num_spec_accepted)
+        self.seq_steps.inc(s.num_spec_seqs)
+        self.totals[0] += s.num_spec_proposed
+        self.totals[1] += s.num_spec_accepted
+        self.totals[2] += s.num_spec_seqs
 
 
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,

@@ -45,7 +45,8 @@ def build_engine(args, role: str):
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                        long_prefill_tokens=args.long_prefill_tokens,
-                       enable_prefix_caching=args.prefix_cache, hash_seed=args.hash_seed)
+                       enable_prefix_caching=args.prefix_cache, hash_seed=args.hash_seed,
+                       **_spec_config(args))
     if cfg.num_blocks == 0:
         import dataclasses
         cfg = dataclasses.replace(cfg, num_blocks=blocks_for_gib(model_cfg, cfg, args.kv_cache_gib))
@@ -108,7 +109,8 @@ async def serve(args, role: str, add_services: Callable) -> None:
     kvm = engine.kv_manager
     prefix = (lambda: (kvm.query_tokens, kvm.hit_tokens, kvm.pool.num_cached,
                        kvm.pool.evictions)) if kvm.hasher is not None else None
-    metrics = WorkerMetrics(role, ident.id, engine.pool.num_blocks, lambda: aengine.load(), prefix)
+    metrics = WorkerMetrics(role, ident.id, engine.pool.num_blocks, lambda: aengine.load(), prefix,
+                            spec=engine.proposer.name if engine.proposer is not None else None)
     aengine = AsyncEngine(engine, on_step=metrics.on_step)
     aengine.start()
     metrics_port = args.metrics_port if args.metrics_port is not None else port + 100
@@ -153,3 +155,13 @@ async def serve(args, role: str, add_services: Callable) -> None:
 
 async def _set_health(servicer, status) -> None:
     await servicer.set("", status)
+
+
+def _spec_config(args) -> dict:
+    """Speculative decoding settings (decode workers have the flags)."""
+    if getattr(args, "speculative", "off") == "off":
+        return {}
+    return dict(speculative=args.speculative,
+                num_speculative_tokens=args.num_speculative_tokens,
+                spec_ngram_min=args.spec_ngram_min, spec_ngram_max=args.spec_ngram_max,
+                spec_disable_batch_size=args.spec_disable_batch_size)

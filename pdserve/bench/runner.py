@@ -28,11 +28,11 @@ from tqdm import tqdm
 from pdserve.bench import report as report_mod
 from pdserve.bench.client import request_body, send
 from pdserve.bench.stats import SLO, RequestResult, summarize
-from pdserve.bench.workloads import (Prompt, PromptMaker, poisson_arrivals, random_prompts,
-                                     shared_prefix_prompts)
+from pdserve.bench.workloads import (Prompt, PromptMaker, code_edit_prompts, poisson_arrivals,
+                                     random_prompts, shared_prefix_prompts)
 from pdserve.paths import default_model_dir
 
-WORKLOADS = ("random", "shared-prefix", "long-burst")
+WORKLOADS = ("random", "shared-prefix", "long-burst", "code-edit")
 LONG_POOL = 32        # long prompts prepared when --num-long is 0
 POINT_SEED_STEP = 1000
 LONG_SEED = 7_777     # offset of the long prompts' and long arrivals' seeds
@@ -184,6 +184,8 @@ def build_prompts(cfg: BenchConfig, maker: PromptMaker) -> tuple[list[Prompt], l
                                      cfg.question_len, cfg.output_len), []
     if cfg.workload == "random":
         return random_prompts(maker, cfg.num_prompts, cfg.input_len, cfg.output_len), []
+    if cfg.workload == "code-edit":
+        return code_edit_prompts(maker, cfg.num_prompts, cfg.output_len), []
     short = random_prompts(maker, cfg.num_prompts, cfg.input_len, cfg.output_len, kind="short")
     longs = random_prompts(maker, cfg.num_long or LONG_POOL, cfg.long_len, cfg.output_len,
                            kind="long")

@@ -91,6 +91,15 @@ def random_prompts(maker: PromptMaker, n: int, input_len: int, output_len: int,
     return [maker.prompt(kind, input_len, output_len) for _ in range(n)]
 
 
+def code_edit_prompts(maker: PromptMaker, n: int, output_len: int) -> list[Prompt]:
+    """Chat prompts asking for an edited copy of a code snippet (pdserve.bench.code_edit):
+    answers that repeat the prompt. Lengths are whatever the texts encode to."""
+    from pdserve.bench.code_edit import code_edit_texts
+
+    return [Prompt("code-edit", text, tuple(maker.encode(text)), output_len)
+            for text in code_edit_texts(n)]
+
+
 def shared_prefix_prompts(maker: PromptMaker, num_groups: int, users_per_group: int,
                           prefix_len: int, question_len: int, output_len: int) -> list[Prompt]:
     """num_groups x users_per_group prompts, shuffled. Prompts of one group share exactly their

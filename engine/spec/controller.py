@@ -1,0 +1,120 @@
+"""How many proposed tokens each sequence verifies this step.
+
+Two estimates drive it:
+  * per sequence, the probability that a proposed token is accepted, alpha: a decayed count of
+    accepted and rejected proposals with a prior of `prior` (so a new sequence tries). The j-th
+    proposal of a step is only kept if the j - 1 before it are, so it is worth alpha**j tokens;
+  * per step, the cost of its tokens: time(T) = a + b * T, fitted by least squares over recent
+    steps (T = tokens in the step), plus the draft model's cost per proposed token if there is
+    one.
+
+Tokens are granted one at a time, the most valuable first, while they raise the step's expected
+throughput: with G expected tokens out of a step taking t, one more proposal worth m costing c
+is kept when (G + m) / (t + c) > G / t, i.e. m * t > G * c. With few sequences a step's cost is
+mostly fixed (weights are read once whatever T is), so even modest acceptance pays; with many,
+each token costs nearly its share and speculation backs off by itself. A sequence left at zero
+for `probe_after` steps is granted one token, so a change in its acceptance is noticed.
+`disable_batch_size` (if > 0) switches speculation off while more sequences than that decode.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass
+class _Acceptance:
+    accepted: float = 0.0
+    trials: float = 0.0
+    idle_steps: int = 0
+
+
+class SpecController:
+    def __init__(self, max_tokens: int, disable_batch_size: int = 0, prior: float = 0.6,
+                 decay: float = 0.5, probe_after: int = 16, window: int = 64) -> None:
+        self.max_tokens = max_tokens
+        self.disable_batch_size = disable_batch_size
+        self.prior, self.decay, self.probe_after = prior, decay, probe_after
+        self._seqs: dict[str, _Acceptance] = {}
+        self._steps: deque[tuple[int, float]] = deque(maxlen=window)
+        self._draft_cost = 0.0           # seconds per proposed token (draft model), EMA
+
+    # ------------------------------------------------------------------ estimates
+    def alpha(self, request_id: str) -> float:
+        s = self._seqs.get(request_id)
+        if s is None:
+            return self.prior
+        return min((s.accepted + self.prior) / (s.trials + 1.0), 0.99)
+
+    def cost_model(self) -> tuple[float, float] | None:
+        """(a, b) of time(T) = a + b * T, or None while the steps seen cannot fit it."""
+        n = len(self._steps)
+        if n < 8:
+            return None
+        mt = sum(t for t, _ in self._steps) / n
+        md = sum(d for _, d in self._steps) / n
+        var = sum((t - mt) ** 2 for t, _ in self._steps)
+        if var < 1e-9:
+            return None
+        b = sum((t - mt) * (d - md) for t, d in self._steps) / var
+        b = max(b, 1e-6)
+        a = max(md - b * mt, 0.0)
+        return a, b
+
+    # ------------------------------------------------------------------ feedback
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens > 0:
+            self._steps.append((num_tokens, seconds))
+
+    def observe_draft(self, seconds: float, num_tokens: int) -> None:
+        if num_tokens > 0:
+            per = seconds / num_tokens
+            self._draft_cost = per if not self._draft_cost else 0.8 * self._draft_cost + 0.2 * per
+
+    def record(self, request_id: str, proposed: int, accepted: int) -> None:
+        s = self._seqs.setdefault(request_id, _Acceptance())
+        if proposed == 0:
+            return
+        s.accepted = self.decay * s.accepted + accepted
+        s.trials = self.decay * s.trials + accepted + (1 if accepted < proposed else 0)
+
+    def release(self, request_id: str) -> None:
+        self._seqs.pop(request_id, None)
+
+    # ------------------------------------------------------------------ the decision
+    def plan(self, request_ids: list[str], caps: list[int], other_tokens: int = 0) -> list[int]:
+        """Proposals to verify per decoding sequence (at most caps[i] each). `other_tokens`:
+        tokens of the step that are not decodes (prompt chunks), when known."""
+        ks = [0] * len(request_ids)
+        n = len(request_ids)
+        if n == 0 or (self.disable_batch_size and n > self.disable_batch_size):
+            return ks
+        model = self.cost_model()
+        if model is None:                  # too little seen to judge: explore
+            return [min(c, self.max_tokens) for c in caps]
+        a, b = model
+        c = b + self._draft_cost
+        gain, time = float(n), a + b * (n + other_tokens)
+        alphas = [self.alpha(r) for r in request_ids]
+        heap = [(-alphas[i], i) for i in range(n) if caps[i] > 0]
+        heapq.heapify(heap)
+        while heap:
+            neg_m, i = heapq.heappop(heap)
+            m = -neg_m
+            if m * time <= gain * c:
+                break                       # the most valuable token left does not pay
+            ks[i] += 1
+            gain, time = gain + m, time + c
+            if ks[i] < min(caps[i], self.max_tokens):
+                heapq.heappush(heap, (-(m * alphas[i]), i))
+        for i, rid in enumerate(request_ids):
+            s = self._seqs.setdefault(rid, _Acceptance())
+            if ks[i] or caps[i] == 0:
+                s.idle_steps = 0
+            else:
+                s.idle_steps += 1
+                if s.idle_steps >= self.probe_after:
+                    ks[i], s.idle_steps = 1, 0
+        return ks

@@ -1,0 +1,206 @@
+"""Proposers: where speculative tokens come from.
+
+`propose(reqs, ks)` returns, for each decoding request, up to ks[i] tokens that would follow its
+tokens so far (and, for a draft model sampling at temperature > 0, the distribution each was
+drawn from, which rejection sampling needs). Proposals never change a request.
+
+  * NgramProposer: prompt lookup. The last n tokens (n from max_n down to min_n) are looked up
+    among the request's earlier tokens (prompt and output); the tokens that followed the most
+    recent earlier occurrence are proposed. Free to compute, so the engine asks it for the full
+    k first and lets the controller keep what is worth verifying. Each request keeps an index
+    {n-gram: where it last ended}, extended incrementally as tokens arrive.
+  * DraftProposer: a smaller model with the same vocabulary. Its KV is recomputed on the decode
+    worker (not transferred from prefill): it has its own paged pool and catches up on each
+    request's tokens (the whole prompt in the request's first speculative step, then the tokens
+    accepted since), then decodes k tokens batched across requests.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.block_pool import BlockPool, KVCacheManager
+from engine.config import EngineConfig, ModelConfig, parse_speculative  # noqa: F401
+from engine.request import Request
+from engine.sampler import _filter, token_seed
+
+_DRAFT_SEED_SALT = 0x5EED_D4AF7
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    probs: torch.Tensor | None = None     # [len(tokens), vocab]: the draft's q, when sampled
+
+    def truncated(self, k: int) -> "Proposal":
+        return Proposal(self.tokens[:k], None if self.probs is None else self.probs[:k])
+
+
+class Proposer(abc.ABC):
+    name: str
+    free = False           # proposing costs nothing: the engine asks for the full k first
+
+    @abc.abstractmethod
+    def propose(self, reqs: list[Request], ks: list[int]) -> list[Proposal]: ...
+
+    def verified(self, req: Request) -> None:
+        """After verification: tokens [0, req.num_computed_tokens) are final."""
+
+    def release(self, request_id: str) -> None:
+        """The request is finished or aborted."""
+
+
+class NgramProposer(Proposer):
+    name = "ngram"
+    free = True
+
+    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes need 1 <= min <= max, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self._index: dict[str, tuple[int, dict[tuple[int, ...], int]]] = {}
+
+    def _lookup(self, req: Request) -> tuple[list[int], dict[tuple[int, ...], int]]:
+        tokens = req.all_token_ids
+        done, index = self._index.get(req.request_id, (0, {}))
+        if done > len(tokens) - 1:             # fewer tokens than indexed (cannot happen
+            done, index = 0, {}                # today; be safe if a request is rewound)
+        # index n-grams ending at positions [done, len - 2]: the suffix itself is not a match
+        for end in range(done, len(tokens) - 1):
+            for n in range(self.min_n, min(self.max_n, end + 1) + 1):
+                index[tuple(tokens[end - n + 1:end + 1])] = end
+        self._index[req.request_id] = (max(done, len(tokens) - 1), index)
+        return tokens, index
+
+    def propose(self, reqs: list[Request], ks: list[int]) -> list[Proposal]:
+        out = []
+        for req, k in zip(reqs, ks):
+            if k <= 0:
+                out.append(Proposal([]))
+                continue
+            tokens, index = self._lookup(req)
+            found: list[int] = []
+            for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+                end = index.get(tuple(tokens[-n:]))
+                if end is not None:
+                    found = tokens[end + 1:end + 1 + k]
+                    break
+            out.append(Proposal(found))
+        return out
+
+    def release(self, request_id: str) -> None:
+        self._index.pop(request_id, None)
+
+
+class DraftProposer(Proposer):
+    """A draft model on the decode worker, with its own KV pool of `num_blocks` blocks."""
+
+    name = "draft"
+
+    def __init__(self, model_dir: str | Path, target: ModelConfig, cfg: EngineConfig,
+                 num_blocks: int, model: torch.nn.Module | None = None) -> None:
+        from engine.weights import load_model
+
+        self.mcfg = ModelConfig.from_dir(model_dir)
+        if self.mcfg.vocab_size != target.vocab_size:
+            raise ValueError(f"the draft model at {model_dir} has a vocabulary of "
+                             f"{self.mcfg.vocab_size} tokens, the target {target.vocab_size}: "
+                             "a draft must share the target's tokenizer")
+        self.device = torch.device(cfg.device)
+        self.model = model or load_model(model_dir, cfg.torch_dtype, cfg.device, self.mcfg,
+                                         round_to=cfg.weight_dtype)
+        m = self.mcfg
+        self.block_size = cfg.block_size
+        self.kv = torch.zeros(m.num_layers, 2, num_blocks, cfg.block_size, m.num_kv_heads,
+                              m.head_dim, dtype=cfg.torch_dtype, device=self.device)
+        self.kv_manager = KVCacheManager(BlockPool(num_blocks), cfg.block_size, None)
+        self.computed: dict[str, int] = {}        # tokens whose draft KV is valid
+
+    def _forward(self, ids: list[int], pos: list[int], tables: list[list[int]],
+                 starts: list[int], q_lens: list[int]) -> torch.Tensor:
+        """Logits [num sequences, vocab] at each sequence's last new position."""
+        meta = AttentionMetadata.build(tables, starts, q_lens, self.block_size, self.device)
+        last = torch.tensor(meta.query_start_loc[1:], device=self.device) - 1
+        dev = self.device
+        with torch.inference_mode():
+            hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
+                                torch.tensor(pos, dtype=torch.long, device=dev), self.kv, meta)
+            return self.model.compute_logits(hidden[last])
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, req: Request, index: int) -> tuple[int, torch.Tensor | None]:
+        p = req.params
+        if p.greedy:
+            return int(torch.argmax(logits)), None
+        q = _filter(logits / p.temperature, p.top_k, p.top_p).softmax(-1)
+        gen = torch.Generator(device=logits.device).manual_seed(
+            token_seed(p.seed ^ _DRAFT_SEED_SALT, index))
+        noise = torch.empty_like(q).exponential_(generator=gen)
+        return int(torch.argmax(q / noise)), q
+
+    def propose(self, reqs: list[Request], ks: list[int]) -> list[Proposal]:
+        props = [Proposal([]) for _ in reqs]
+        live: list[int] = []
+        ids, pos, tables, starts, q_lens = [], [], [], [], []
+        for i, (req, k) in enumerate(zip(reqs, ks)):
+            if k <= 0:
+                continue
+            rid, n = req.request_id, req.num_tokens
+            start = min(self.computed.get(rid, 0), n - 1)
+            # room for the catch-up and the k - 1 proposals fed back in
+            if self.kv_manager.allocate_slots(rid, n + k - 1) is None:
+                continue                                  # draft pool full: no proposal
+            live.append(i)
+            ids.extend(req.all_token_ids[start:n])
+            pos.extend(range(start, n))
+            tables.append(list(self.kv_manager.block_table(rid)))
+            starts.append(start)
+            q_lens.append(n - start)
+        if not live:
+            return props
+        logits = self._forward(ids, pos, tables, starts, q_lens)
+        probs: dict[int, list[torch.Tensor]] = {i: [] for i in live}
+        for row, i in enumerate(live):
+            tok, q = self._pick(logits[row], reqs[i], len(reqs[i].output_token_ids))
+            props[i].tokens.append(tok)
+            if q is not None:
+                probs[i].append(q)
+            self.computed[reqs[i].request_id] = reqs[i].num_tokens
+        for j in range(1, max(ks[i] for i in live)):       # batched draft decode steps
+            step = [i for i in live if ks[i] > j]
+            if not step:
+                break
+            ids, pos, tables, starts = [], [], [], []
+            for i in step:
+                req = reqs[i]
+                p = req.num_tokens + j - 1                   # position of the fed draft token
+                ids.append(props[i].tokens[-1])
+                pos.append(p)
+                tables.append(list(self.kv_manager.block_table(req.request_id)))
+                starts.append(p)
+            logits = self._forward(ids, pos, tables, starts, [1] * len(step))
+            for row, i in enumerate(step):
+                req = reqs[i]
+                tok, q = self._pick(logits[row], req, len(req.output_token_ids) + j)
+                props[i].tokens.append(tok)
+                if q is not None:
+                    probs[i].append(q)
+                self.computed[req.request_id] = req.num_tokens + j
+        for i in live:
+            if probs[i]:
+                props[i].probs = torch.stack(probs[i])
+        return props
+
+    def verified(self, req: Request) -> None:
+        rid = req.request_id
+        if rid in self.computed:
+            self.computed[rid] = min(self.computed[rid], req.num_computed_tokens)
+
+    def release(self, request_id: str) -> None:
+        self.computed.pop(request_id, None)
+        self.kv_manager.free(request_id)

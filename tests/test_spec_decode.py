@@ -1,0 +1,212 @@
+"""Speculative decoding: proposers, the rejection sampler's distribution, and greedy output that
+is identical to plain decoding (n-gram, a perfect draft, a draft that is always wrong) inside
+mixed continuous batches, on tiny random-weight models; every block goes back to both pools."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.request import Request, SamplingParams
+from engine.spec import NgramProposer, SpecController
+from engine.spec.verify import rejection_sample, verify
+from tests.test_batching import run
+from tests.test_model_parity import make_model
+
+# repetitive prompts (n-gram matches) next to ones without repeats
+PROMPTS = [[5, 9, 17, 3, 5, 9, 17, 3, 5, 9], [7] * 13, [1, 2, 3, 1, 2, 3, 1, 2],
+           list(range(20, 60)), [99, 98], [11, 12, 13, 40, 41, 11, 12, 13]]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    make_model(d, "llama")
+    return d
+
+
+@pytest.fixture(scope="module")
+def wrong_draft(tmp_path_factory, model_dir):
+    """The tiny model with a zero output layer: its logits are all equal, so it always proposes
+    token 0."""
+    d = tmp_path_factory.mktemp("wrong-draft")
+    for f in model_dir.iterdir():
+        if f.suffix != ".safetensors":
+            (d / f.name).write_bytes(f.read_bytes())
+    weights = load_file(model_dir / "model.safetensors")
+    weights["lm_head.weight"] = torch.zeros_like(weights["model.embed_tokens.weight"])
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["tie_word_embeddings"] = False
+    (d / "config.json").write_text(json.dumps(cfg))
+    save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+    return d
+
+
+def engine(model_dir, **kw) -> Engine:
+    cfg = dict(num_blocks=128, block_size=4, max_num_batched_tokens=32, max_num_seqs=8)
+    cfg.update(kw)
+    return Engine(model_dir, EngineConfig(**cfg))
+
+
+def requests(params=GREEDY) -> list[Request]:
+    return [Request(str(i), p, params) for i, p in enumerate(PROMPTS)]
+
+
+# ---------------------------------------------------------------------- proposers
+def test_ngram_proposes_what_followed_the_latest_earlier_match():
+    prop = NgramProposer(min_n=2, max_n=3)
+    req = Request("r", [1, 2, 3, 4, 9, 2, 3, 5, 6, 7, 2, 3], GREEDY)
+    # "2 3" ended at positions 2 and 6 before the suffix; the latest is followed by 5 6 7
+    assert prop.propose([req], [3])[0].tokens == [5, 6, 7]
+    assert prop.propose([req], [5])[0].tokens == [5, 6, 7, 2, 3]
+    req.output_token_ids += [8, 1, 2]             # "1 2" ended at 1 only; "8 1 2" nowhere
+    assert prop.propose([req], [2])[0].tokens == [3, 4]
+    req.output_token_ids += [42]
+    assert prop.propose([req], [2])[0].tokens == []           # nothing ends in "2 42" before
+    assert prop.propose([req], [0])[0].tokens == []
+    prop.release("r")
+    assert not prop._index
+
+
+def test_controller_backs_off_as_the_batch_grows():
+    """Cost a + b*T with a fixed part 40x a token's: one sequence with modest acceptance
+    speculates; a batch of 64 of them does not; a perfect one still does at 8."""
+    ctl = SpecController(max_tokens=4)
+    for t in range(1, 65):
+        ctl.observe_step(t, 0.040 + 0.001 * t)
+    assert ctl.cost_model() == pytest.approx((0.040, 0.001), rel=1e-6)
+    for i in range(64):
+        ctl.record(str(i), 4, 1)                  # ~1 in 3 accepted
+    assert sum(ctl.plan(["0"], [4])) > 0
+    assert sum(ctl.plan([str(i) for i in range(64)], [4] * 64)) == 0
+    for _ in range(10):
+        ctl.record("p", 4, 4)
+    assert ctl.plan(["p"] + [str(i) for i in range(7)], [4] * 8)[0] == 4
+    assert SpecController(4, disable_batch_size=2).plan(["a", "b", "c"], [4] * 3) == [0, 0, 0]
+
+
+# ---------------------------------------------------------------------- the rejection sampler
+@pytest.mark.parametrize("draft_kind", ["point", "distribution"])
+def test_rejection_sampling_gives_the_target_distribution(draft_kind):
+    """On a 6-token vocabulary, the first emitted token over 20,000 seeds follows the target p
+    (each frequency within 0.015 of p: over 4 standard deviations), whatever the draft q."""
+    p = torch.tensor([[0.05, 0.40, 0.10, 0.25, 0.15, 0.05], [1 / 6] * 6])
+    q = torch.tensor([[0.50, 0.05, 0.05, 0.30, 0.05, 0.05]])
+    counts = torch.zeros(6)
+    gen = torch.Generator().manual_seed(0)
+    n = 20_000
+    accepted = 0
+    for seed in range(n):
+        if draft_kind == "point":             # an n-gram proposal: always token 0
+            draft, probs = [0], None
+        else:
+            draft, probs = [int(torch.multinomial(q[0], 1, generator=gen))], q
+        out = rejection_sample(p, draft, probs, seed, 0)
+        counts[out[0]] += 1
+        accepted += len(out) == 2
+    freq = counts / n
+    assert torch.allclose(freq, p[0], atol=0.015), (freq, p[0])
+    want = 0.05 if draft_kind == "point" else float(torch.minimum(p[0], q[0]).sum())
+    assert abs(accepted / n - want) < 0.015
+
+
+def test_greedy_verification_keeps_the_matching_prefix_plus_the_target_token():
+    logits = torch.full((4, 10), -5.0)
+    for row, tok in enumerate([3, 4, 7, 1]):
+        logits[row, tok] = 5.0
+    assert verify(logits, GREEDY, 0, [3, 4, 5])[0] == [3, 4, 7]
+    assert verify(logits, GREEDY, 0, [3, 4, 7])[0] == [3, 4, 7, 1]          # + the bonus token
+    assert verify(logits, GREEDY, 0, [9, 4, 7])[0] == [3]
+
+
+# ---------------------------------------------------------------------- the engine
+def _pools_free(eng: Engine) -> None:
+    assert eng.pool.num_free == eng.pool.num_blocks
+    if hasattr(eng.proposer, "kv_manager"):
+        assert eng.proposer.kv_manager.pool.num_free == eng.proposer.kv_manager.pool.num_blocks
+        assert not eng.proposer.computed
+
+
+@pytest.mark.parametrize("spec", ["ngram", "draft:same", "draft:wrong"])
+def test_greedy_with_speculation_equals_plain_decoding(model_dir, wrong_draft, spec):
+    """All prompts in one batch (speculating and non-speculating sequences side by side, with
+    prompt chunks in the same steps), and each alone."""
+    draft = {"draft:same": f"draft:{model_dir}", "draft:wrong": f"draft:{wrong_draft}"}
+    spec = draft.get(spec, spec)
+    plain = run(engine(model_dir), requests())
+    eng = engine(model_dir, speculative=spec)
+    assert run(eng, requests()) == plain
+    _pools_free(eng)
+    st = eng.stats
+    assert st.spec_proposed > 0
+    if "wrong" in spec:          # proposes 0 every time: accepted only where the target says 0
+        zeros = sum(toks.count(0) for toks in plain.values())
+        assert st.spec_accepted <= zeros
+    elif "draft" in spec:        # the target as its own draft: everything is accepted
+        assert st.spec_accepted == st.spec_proposed
+    else:
+        assert st.spec_accepted > 0
+    assert st.steps < sum(len(t) for t in plain.values()) or "wrong" in spec
+    for r in requests()[:2]:
+        eng = engine(model_dir, speculative=spec)
+        assert run(eng, [r]) == {r.request_id: plain[r.request_id]}
+        _pools_free(eng)
+
+
+def test_speculation_stops_at_eos_and_max_tokens(model_dir):
+    """A proposal run that crosses the stop token or max_tokens is cut there."""
+    plain = run(engine(model_dir), requests())
+    stop_tok = plain["1"][5]
+    eos_params = SamplingParams(temperature=0, max_tokens=24)
+    for max_tokens in (1, 2, 7):
+        p = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        eng = engine(model_dir, speculative=f"draft:{model_dir}")
+        got = run(eng, [Request("1", PROMPTS[1], p)])
+        assert got["1"] == plain["1"][:max_tokens]
+        _pools_free(eng)
+    eng = engine(model_dir, speculative=f"draft:{model_dir}")
+    eng.scheduler.eos = frozenset({stop_tok})
+    got = run(eng, [Request("1", PROMPTS[1], eos_params)])
+    assert got["1"] == plain["1"][:plain["1"].index(stop_tok) + 1]
+    _pools_free(eng)
+
+
+@pytest.mark.parametrize("spec", ["ngram", "draft:same"])
+def test_sampling_with_speculation_runs_to_length_with_logprobs(model_dir, spec):
+    """Seeded sampling is reproducible for the same proposals (engine.spec.verify); how many
+    are verified depends on measured step times, so only lengths and logprobs are compared."""
+    spec = f"draft:{model_dir}" if spec == "draft:same" else spec
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=20, ignore_eos=True,
+                            logprobs=True)
+    eng = engine(model_dir, speculative=spec)
+    reqs = requests(params)
+    got = run(eng, reqs)
+    assert all(len(t) == 20 for t in got.values())
+    assert all([lp.token_id for lp in r.output_logprobs] == got[r.request_id] for r in reqs)
+    assert eng.stats.spec_proposed > 0 or spec == "ngram"    # random text rarely repeats
+    _pools_free(eng)
+
+
+def test_rejection_path_with_a_one_token_nucleus_equals_greedy(model_dir):
+    """temperature > 0 with top_k=1 goes through rejection sampling, and must give exactly the
+    greedy tokens (the n-gram proposals of the looping tiny model get verified)."""
+    plain = run(engine(model_dir), requests())
+    params = SamplingParams(temperature=0.7, top_k=1, seed=1, max_tokens=24, ignore_eos=True)
+    eng = engine(model_dir, speculative="ngram")
+    assert run(eng, requests(params)) == plain
+    assert eng.stats.spec_accepted > 0
+    _pools_free(eng)
+
+
+def test_preemption_with_speculation_keeps_greedy_output(model_dir):
+    plain = run(engine(model_dir), requests())
+    eng = engine(model_dir, num_blocks=24, speculative=f"draft:{model_dir}")
+    assert run(eng, requests()) == plain
+    assert eng.stats.preemptions > 0
+    _pools_free(eng)
