@@ -307,10 +307,14 @@ class Router:
         return PrefillTicket(self, worker.id, tokens)
 
     def _dequeue(self, worker_id: str, tokens: int) -> None:
+        # A table's entry can reach 0 while other tickets are out (prompts whose every token
+        # was cached queue 0 tokens): an absent entry counts as 0.
         for table, n in ((self._queued_tokens, tokens), (self._queued_prompts, 1)):
-            table[worker_id] -= n
-            if not table[worker_id]:
-                del table[worker_id]
+            left = table.get(worker_id, 0) - n
+            if left > 0:
+                table[worker_id] = left
+            else:
+                table.pop(worker_id, None)
 
     def mark_unreachable(self, worker: WorkerInfo, avoid_s: float = 5.0) -> None:
         """Prefer other workers of the role for `avoid_s` (a dead worker stays registered until

@@ -120,3 +120,17 @@ def test_avoids_unreachable_workers_while_others_exist(redis_url):
     only_d2, both = asyncio.run(_with_router(redis_url, body))
     assert only_d2 == {"d2"}
     assert both == {"d1", "d2"}  # all avoided: fall back to every registered worker
+
+
+def test_prefill_queue_counts_survive_prompts_with_nothing_to_compute():
+    """Fully cached prompts queue 0 tokens; releasing tickets in any order never fails and the
+    counts return to 0 (a KeyError here once broke streams under load)."""
+    router = Router("redis://127.0.0.1:1/0")
+    p = worker("p1", "prefill", 1.0)
+    a, b, c = (router.enqueue_prefill(p, n) for n in (0, 0, 5))
+    assert (router.queued_tokens("p1"), router.queued_prompts("p1")) == (5, 3)
+    c.release()
+    assert (router.queued_tokens("p1"), router.queued_prompts("p1")) == (0, 2)
+    a.release()
+    b.release()
+    assert (router.queued_tokens("p1"), router.queued_prompts("p1")) == (0, 0)
