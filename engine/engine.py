@@ -176,7 +176,7 @@ class Engine:
                 if s.num_spec]
         outputs = self.scheduler.update(sched, tokens, logprobs)
         if self.proposer is not None:
-            self.spec.observe_step(sched.num_tokens, t_done - t_fwd)
+            self.spec.observe_step(sched.num_tokens, len(spec), t_done - t_fwd)
             for s, accepted in spec:
                 self.spec.record(s.request.request_id, s.num_spec, accepted)
                 self.proposer.verified(s.request)

@@ -79,8 +79,8 @@ def test_controller_backs_off_as_the_batch_grows():
     speculates; a batch of 64 of them does not; a perfect one still does at 8."""
     ctl = SpecController(max_tokens=4)
     for t in range(1, 65):
-        ctl.observe_step(t, 0.040 + 0.001 * t)
-    assert ctl.cost_model() == pytest.approx((0.040, 0.001), rel=1e-6)
+        ctl.observe_step(t, 0, 0.040 + 0.001 * t)
+    assert ctl.cost_model() == pytest.approx((0.040, 0.001, 0.0), rel=1e-6)
     for i in range(64):
         ctl.record(str(i), 4, 1)                  # ~1 in 3 accepted
     assert sum(ctl.plan(["0"], [4])) > 0
@@ -89,6 +89,27 @@ def test_controller_backs_off_as_the_batch_grows():
         ctl.record("p", 4, 4)
     assert ctl.plan(["p"] + [str(i) for i in range(7)], [4] * 8)[0] == 4
     assert SpecController(4, disable_batch_size=2).plan(["a", "b", "c"], [4] * 3) == [0, 0, 0]
+
+
+def test_controller_counts_what_leaving_the_batched_decode_costs():
+    """Steps with S speculating sequences cost 10 ms more each than their tokens say: with a
+    61 ms step, a sequence accepting 1 proposal in 7 (worth 9 ms) then does not speculate
+    (a first proposal costs 11 ms); one accepting nearly all does."""
+    ctl = SpecController(max_tokens=4, probe_after=1000, decay=1.0)
+    for t in range(1, 33):
+        for s in (0, 1, 2):
+            ctl.observe_step(t + 3 * s, s, 0.060 + 0.001 * (t + 3 * s) + 0.010 * s)
+    a, b, e = ctl.cost_model()
+    assert (a, b, e) == pytest.approx((0.060, 0.001, 0.010), rel=1e-6)
+    for _ in range(10):
+        ctl.record("low", 5, 1)                   # 1 accepted, 1 rejected
+        for _ in range(5):
+            ctl.record("low", 5, 0)               # rejected at once
+        ctl.record("high", 4, 4)
+    assert ctl.alpha("low") == pytest.approx(10.3 / 70.5)
+    assert ctl.alpha("high") > 0.95
+    assert ctl.plan(["low"], [4]) == [0]
+    assert ctl.plan(["high"], [4])[0] >= 2
 
 
 # ---------------------------------------------------------------------- the rejection sampler

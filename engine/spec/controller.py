@@ -2,19 +2,22 @@
 
 Two estimates drive it:
   * per sequence, the probability that a proposed token is accepted, alpha: a decayed count of
-    accepted and rejected proposals with a prior of `prior` (so a new sequence tries). The j-th
+    accepted and rejected proposals (each step's counts weigh `decay` times the last's) with a
+    prior of `prior` worth `prior_weight` proposals (so a new sequence tries). The j-th
     proposal of a step is only kept if the j - 1 before it are, so it is worth alpha**j tokens;
-  * per step, the cost of its tokens: time(T) = a + b * T, fitted by least squares over recent
-    steps (T = tokens in the step), plus the draft model's cost per proposed token if there is
-    one.
+  * per step, the cost of its tokens: time = a + b * T + e * S, fitted by least squares over
+    recent steps, where T is the step's tokens and S the sequences that verify proposals (such a
+    sequence leaves the batched single-token attention for a multi-token one, which costs more
+    than its tokens), plus the draft model's cost per proposed token if there is one.
 
 Tokens are granted one at a time, the most valuable first, while they raise the step's expected
 throughput: with G expected tokens out of a step taking t, one more proposal worth m costing c
-is kept when (G + m) / (t + c) > G / t, i.e. m * t > G * c. With few sequences a step's cost is
-mostly fixed (weights are read once whatever T is), so even modest acceptance pays; with many,
-each token costs nearly its share and speculation backs off by itself. A sequence left at zero
-for `probe_after` steps is granted one token, so a change in its acceptance is noticed.
-`disable_batch_size` (if > 0) switches speculation off while more sequences than that decode.
+(b, plus e for a sequence's first) is kept when (G + m) / (t + c) > G / t, i.e. m * t > G * c.
+With few sequences a step's cost is mostly fixed (weights are read once whatever T is), so even
+modest acceptance pays; with many, each token costs nearly its share and speculation backs off
+by itself. A sequence left at zero for `probe_after` steps is granted one token, so a change in
+its acceptance is noticed. `disable_batch_size` (if > 0) switches speculation off while more
+sequences than that decode.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass
@@ -33,12 +38,14 @@ class _Acceptance:
 
 class SpecController:
     def __init__(self, max_tokens: int, disable_batch_size: int = 0, prior: float = 0.6,
-                 decay: float = 0.5, probe_after: int = 16, window: int = 64) -> None:
+                 decay: float = 0.8, probe_after: int = 16, window: int = 64,
+                 prior_weight: float = 0.5) -> None:
         self.max_tokens = max_tokens
         self.disable_batch_size = disable_batch_size
         self.prior, self.decay, self.probe_after = prior, decay, probe_after
+        self.prior_weight = prior_weight
         self._seqs: dict[str, _Acceptance] = {}
-        self._steps: deque[tuple[int, float]] = deque(maxlen=window)
+        self._steps: deque[tuple[int, int, float]] = deque(maxlen=window)
         self._draft_cost = 0.0           # seconds per proposed token (draft model), EMA
 
     # ------------------------------------------------------------------ estimates
@@ -46,27 +53,28 @@ class SpecController:
         s = self._seqs.get(request_id)
         if s is None:
             return self.prior
-        return min((s.accepted + self.prior) / (s.trials + 1.0), 0.99)
+        w = self.prior_weight
+        return min((s.accepted + self.prior * w) / (s.trials + w), 0.99)
 
-    def cost_model(self) -> tuple[float, float] | None:
-        """(a, b) of time(T) = a + b * T, or None while the steps seen cannot fit it."""
-        n = len(self._steps)
-        if n < 8:
+    def cost_model(self) -> tuple[float, float, float] | None:
+        """(a, b, e) of time = a + b * T + e * S, or None while the steps seen cannot fit it
+        (e is 0 until steps with and without proposals have both been seen)."""
+        if len(self._steps) < 8:
             return None
-        mt = sum(t for t, _ in self._steps) / n
-        md = sum(d for _, d in self._steps) / n
-        var = sum((t - mt) ** 2 for t, _ in self._steps)
-        if var < 1e-9:
+        rows = torch.tensor(self._steps, dtype=torch.float64)
+        tokens, spec, seconds = rows[:, 0], rows[:, 1], rows[:, 2]
+        if float(tokens.var()) < 1e-9:
             return None
-        b = sum((t - mt) * (d - md) for t, d in self._steps) / var
-        b = max(b, 1e-6)
-        a = max(md - b * mt, 0.0)
-        return a, b
+        both = bool((spec > 0).any() and (spec == 0).any())
+        x = torch.stack([torch.ones_like(tokens), tokens] + ([spec] if both else []), dim=1)
+        coef = torch.linalg.lstsq(x, seconds[:, None]).solution[:, 0].tolist()
+        a, b, e = coef[0], coef[1], coef[2] if both else 0.0
+        return max(a, 0.0), max(b, 1e-6), max(e, 0.0)
 
     # ------------------------------------------------------------------ feedback
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
+    def observe_step(self, num_tokens: int, num_spec_seqs: int, seconds: float) -> None:
         if num_tokens > 0:
-            self._steps.append((num_tokens, seconds))
+            self._steps.append((num_tokens, num_spec_seqs, seconds))
 
     def observe_draft(self, seconds: float, num_tokens: int) -> None:
         if num_tokens > 0:
@@ -94,7 +102,7 @@ class SpecController:
         model = self.cost_model()
         if model is None:                  # too little seen to judge: explore
             return [min(c, self.max_tokens) for c in caps]
-        a, b = model
+        a, b, e = model
         c = b + self._draft_cost
         gain, time = float(n), a + b * (n + other_tokens)
         alphas = [self.alpha(r) for r in request_ids]
@@ -103,10 +111,11 @@ class SpecController:
         while heap:
             neg_m, i = heapq.heappop(heap)
             m = -neg_m
-            if m * time <= gain * c:
-                break                       # the most valuable token left does not pay
+            cost = c + (e if ks[i] == 0 else 0.0)
+            if m * time <= gain * cost:
+                continue                    # not worth it; cheaper or better ones may be
             ks[i] += 1
-            gain, time = gain + m, time + c
+            gain, time = gain + m, time + cost
             if ks[i] < min(caps[i], self.max_tokens):
                 heapq.heappush(heap, (-(m * alphas[i]), i))
         for i, rid in enumerate(request_ids):
