@@ -36,9 +36,21 @@ def sample_one(logits: torch.Tensor, p: SamplingParams, index: int) -> int:
     """logits [V] float32 -> token id. `index` is the position of the token in the output."""
     if p.greedy:
         return int(torch.argmax(logits))
-    scaled = _filter(logits / p.temperature, p.top_k, p.top_p)
-    probs = scaled.softmax(-1)
-    gen = torch.Generator(device=logits.device).manual_seed(token_seed(p.seed, index))
+    return draw(sampling_probs(logits, p), generator(p.seed, index, logits.device))
+
+
+def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """[..., V] logits -> the distribution sampled from (temperature, top-k, top-p applied)."""
+    return _filter(logits / p.temperature, p.top_k, p.top_p).softmax(-1)
+
+
+def generator(seed: int, index: int, device: torch.device) -> torch.Generator:
+    """The generator output token `index` of a request with `seed` draws from."""
+    return torch.Generator(device=device).manual_seed(token_seed(seed, index))
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator) -> int:
+    """One token from `probs` [V]."""
     noise = torch.empty_like(probs).exponential_(generator=gen)
     return int(torch.argmax(probs / noise))        # exponential race == categorical sample
 

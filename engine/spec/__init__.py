@@ -16,9 +16,8 @@ accepted tokens (the catch-up rule of engine.scheduler).
 """
 
 from engine.spec.controller import SpecController
-from engine.spec.proposers import (DraftProposer, NgramProposer, Proposal, Proposer,
-                                   parse_speculative)
+from engine.spec.proposers import DraftProposer, NgramProposer, Proposal, Proposer
 from engine.spec.verify import verify
 
 __all__ = ["SpecController", "DraftProposer", "NgramProposer", "Proposal", "Proposer",
-           "parse_speculative", "verify"]
+           "verify"]

@@ -25,9 +25,9 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.block_pool import BlockPool, KVCacheManager
-from engine.config import EngineConfig, ModelConfig, parse_speculative  # noqa: F401
+from engine.config import EngineConfig, ModelConfig
 from engine.request import Request
-from engine.sampler import _filter, token_seed
+from engine.sampler import draw, generator, sampling_probs
 
 _DRAFT_SEED_SALT = 0x5EED_D4AF7
 
@@ -137,11 +137,8 @@ class DraftProposer(Proposer):
         p = req.params
         if p.greedy:
             return int(torch.argmax(logits)), None
-        q = _filter(logits / p.temperature, p.top_k, p.top_p).softmax(-1)
-        gen = torch.Generator(device=logits.device).manual_seed(
-            token_seed(p.seed ^ _DRAFT_SEED_SALT, index))
-        noise = torch.empty_like(q).exponential_(generator=gen)
-        return int(torch.argmax(q / noise)), q
+        q = sampling_probs(logits, p)
+        return draw(q, generator(p.seed ^ _DRAFT_SEED_SALT, index, logits.device)), q
 
     def propose(self, reqs: list[Request], ks: list[int]) -> list[Proposal]:
         props = [Proposal([]) for _ in reqs]

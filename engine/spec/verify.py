@@ -21,18 +21,12 @@ from __future__ import annotations
 import torch
 
 from engine.request import SamplingParams, TokenLogprob
-from engine.sampler import _filter, token_logprob, token_seed
+from engine.sampler import draw, generator, sampling_probs, token_logprob
 
 
 def target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """[n, V] logits -> [n, V] sampling distributions (temperature, top-k, top-p applied)."""
-    return torch.stack([_filter(row / p.temperature, p.top_k, p.top_p).softmax(-1)
-                        for row in logits])
-
-
-def _draw(probs: torch.Tensor, gen: torch.Generator) -> int:
-    noise = torch.empty_like(probs).exponential_(generator=gen)
-    return int(torch.argmax(probs / noise))       # exponential race == categorical sample
+    return torch.stack([sampling_probs(row, p) for row in logits])
 
 
 def rejection_sample(probs: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None,
@@ -41,7 +35,7 @@ def rejection_sample(probs: torch.Tensor, draft: list[int], draft_probs: torch.T
     Returns the accepted proposals plus one token drawn by the target (1..k + 1 tokens)."""
     out: list[int] = []
     for i, x in enumerate(draft):
-        gen = torch.Generator(device=probs.device).manual_seed(token_seed(seed, index + i))
+        gen = generator(seed, index + i, probs.device)
         p = probs[i]
         q_x = 1.0 if draft_probs is None else float(draft_probs[i, x])
         u = float(torch.rand((), generator=gen, device=probs.device))
@@ -55,10 +49,9 @@ def rejection_sample(probs: torch.Tensor, draft: list[int], draft_probs: torch.T
             residual = (p - draft_probs[i]).clamp_min(0.0)
         if float(residual.sum()) <= 0.0:           # p == q: rejection has probability 0
             residual = p
-        out.append(_draw(residual / residual.sum(), gen))
+        out.append(draw(residual / residual.sum(), gen))
         return out
-    gen = torch.Generator(device=probs.device).manual_seed(token_seed(seed, index + len(draft)))
-    out.append(_draw(probs[len(draft)], gen))
+    out.append(draw(probs[len(draft)], generator(seed, index + len(draft), probs.device)))
     return out
 
 
