@@ -19,7 +19,7 @@ from engine.config import EngineConfig, ModelConfig, parse_speculative
 from engine.request import Request, RequestOutput, Status, TokenLogprob
 from engine.sampler import sample
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.spec import DraftProposer, NgramProposer, SpecController, verify
+from engine.spec import DraftProposer, NgramProposer, Proposal, SpecController, verify
 from engine.weights import load_model
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class Engine:
         self.stats = EngineStats()
         self.last_step: StepStats | None = None
         self.proposer, self.spec = self._speculation(draft_model)
-        self._draft_probs: dict[str, torch.Tensor] = {}   # this step's draft distributions
+        self._proposals: dict[str, Proposal] = {}    # this step's, by request id
 
     def _speculation(self, draft_model):
         kind, path = parse_speculative(self.cfg.speculative)
@@ -178,7 +178,8 @@ class Engine:
         if self.proposer is not None:
             self.spec.observe_step(sched.num_tokens, len(spec), t_done - t_fwd)
             for s, accepted in spec:
-                self.spec.record(s.request.request_id, s.num_spec, accepted)
+                rid = s.request.request_id
+                self.spec.record(rid, s.num_spec, accepted, self._proposals[rid].kind)
                 self.proposer.verified(s.request)
             for o in outputs:
                 if o.finished:
@@ -208,18 +209,17 @@ class Engine:
         if self.proposer.free:              # cheap: see what is on offer, then choose
             offers = self.proposer.propose(reqs, limits)
             ks = self.spec.plan([r.request_id for r in reqs], [len(o.tokens) for o in offers],
-                                others)
+                                others, [o.kind for o in offers])
             props = [o.truncated(kk) for o, kk in zip(offers, ks)]
         else:
             ks = self.spec.plan([r.request_id for r in reqs], limits, others)
             t0 = time.perf_counter()
             props = self.proposer.propose(reqs, ks)
             self.spec.observe_draft(time.perf_counter() - t0, sum(len(p.tokens) for p in props))
-        self._draft_probs = {}
+        self._proposals = {}
         for r, p in zip(reqs, props):
             r.spec_token_ids = list(p.tokens)
-            if p.probs is not None:
-                self._draft_probs[r.request_id] = p.probs
+            self._proposals[r.request_id] = p
 
     def _sample(self, sched: SchedulerOutput, logits: torch.Tensor):
         """Tokens per sampled request: plain sampling, or verification of its proposals."""
@@ -230,7 +230,7 @@ class Engine:
         for j, s in enumerate(scheduled):
             req = s.request
             if s.num_spec:
-                probs = self._draft_probs.get(req.request_id)
+                probs = self._proposals[req.request_id].probs
                 if probs is not None:
                     probs = probs[:s.num_spec]
                 tokens[j], logprobs[j] = verify(logits[row:row + 1 + s.num_spec], req.params,

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import Request, SamplingParams
-from engine.spec import NgramProposer, SpecController
+from engine.spec import NgramProposer, Proposal, SpecController
 from engine.spec.verify import rejection_sample, verify
 from tests.test_batching import run
 from tests.test_model_parity import make_model
@@ -59,19 +59,25 @@ def requests(params=GREEDY) -> list[Request]:
 
 
 # ---------------------------------------------------------------------- proposers
-def test_ngram_proposes_what_followed_the_latest_earlier_match():
+def test_ngram_proposes_what_followed_the_first_match_and_says_how_long_it_is():
     prop = NgramProposer(min_n=2, max_n=3)
     req = Request("r", [1, 2, 3, 4, 9, 2, 3, 5, 6, 7, 2, 3], GREEDY)
-    # "2 3" ended at positions 2 and 6 before the suffix; the latest is followed by 5 6 7
-    assert prop.propose([req], [3])[0].tokens == [5, 6, 7]
-    assert prop.propose([req], [5])[0].tokens == [5, 6, 7, 2, 3]
+    # "2 3" ended at positions 2 and 6 before the suffix; the first is followed by 4 9 2 3 5
+    first = prop.propose([req], [3])[0]
+    assert first.tokens == [4, 9, 2] and first.kind == 2
+    assert prop.propose([req], [5])[0].tokens == [4, 9, 2, 3, 5]
     req.output_token_ids += [8, 1, 2]             # "1 2" ended at 1 only; "8 1 2" nowhere
     assert prop.propose([req], [2])[0].tokens == [3, 4]
     req.output_token_ids += [42]
-    assert prop.propose([req], [2])[0].tokens == []           # nothing ends in "2 42" before
+    none = prop.propose([req], [2])[0]            # nothing ends in "2 42" before
+    assert none.tokens == [] and none.kind == 0
     assert prop.propose([req], [0])[0].tokens == []
     prop.release("r")
     assert not prop._index
+    # the match length counts back past max_n: 7 tokens repeat before the suffix
+    run = [11, 12, 13, 14, 15, 16, 17]
+    req = Request("s", [5] + run + [99, 100] + [6] + run, GREEDY)
+    assert prop.propose([req], [2])[0] == Proposal([99, 100], kind=7)
 
 
 def test_controller_backs_off_as_the_batch_grows():
@@ -89,6 +95,20 @@ def test_controller_backs_off_as_the_batch_grows():
         ctl.record("p", 4, 4)
     assert ctl.plan(["p"] + [str(i) for i in range(7)], [4] * 8)[0] == 4
     assert SpecController(4, disable_batch_size=2).plan(["a", "b", "c"], [4] * 3) == [0, 0, 0]
+
+
+def test_controller_keeps_acceptance_per_kind_of_proposal():
+    """Long-match proposals are always accepted, 2-token matches never: the controller grants
+    the first kind whatever sequence offers it and stops granting the second."""
+    ctl = SpecController(max_tokens=8, probe_after=1000)
+    for t in range(1, 33):
+        ctl.observe_step(t, 0, 0.050 + 0.004 * t)
+    for i in range(20):
+        ctl.record(f"a{i}", 8, 8, kind=12)
+        ctl.record(f"a{i}", 8, 0, kind=2)
+    assert ctl.alpha("new", 12) > 0.95 and ctl.alpha("new", 2) < 0.1
+    assert ctl.alpha("new") == pytest.approx(0.6)     # no kind: the sequence's own (prior)
+    assert ctl.plan(["x", "y"], [8, 8], kinds=[12, 2]) == [8, 0]
 
 
 def test_controller_counts_what_leaving_the_batched_decode_costs():

@@ -1,22 +1,26 @@
 """How many proposed tokens each sequence verifies this step.
 
 Two estimates drive it:
-  * per sequence, the probability that a proposed token is accepted, alpha: a decayed count of
-    accepted and rejected proposals (each step's counts weigh `decay` times the last's) with a
-    prior of `prior` worth `prior_weight` proposals (so a new sequence tries). The j-th
-    proposal of a step is only kept if the j - 1 before it are, so it is worth alpha**j tokens;
+  * the probability that a proposed token is accepted, alpha: a decayed count of accepted and
+    rejected proposals with a prior of `prior` worth `prior_weight` proposals (so a newcomer
+    tries). It is kept per sequence (each step's counts weigh `decay` times the last's) for
+    proposals with no kind, and per kind across sequences (`kind_decay`) for proposals that say
+    what kind they are (the n-gram proposer: the length of the match they come from, which
+    predicts acceptance far better than the sequence's own history). The j-th proposal of a
+    step is only kept if the j - 1 before it are, so it is worth alpha**j tokens;
   * per step, the cost of its tokens: time = a + b * T + e * S, fitted by least squares over
-    recent steps, where T is the step's tokens and S the sequences that verify proposals (such a
-    sequence leaves the batched single-token attention for a multi-token one, which costs more
-    than its tokens), plus the draft model's cost per proposed token if there is one.
+    recent steps, where T is the step's tokens and S the sequences that verify proposals (a
+    sequence's first proposal costs more than its later ones: a query of two rows instead of
+    one, a GEMM instead of a GEMV on small batches), plus the draft model's cost per proposed
+    token if there is one.
 
 Tokens are granted one at a time, the most valuable first, while they raise the step's expected
 throughput: with G expected tokens out of a step taking t, one more proposal worth m costing c
 (b, plus e for a sequence's first) is kept when (G + m) / (t + c) > G / t, i.e. m * t > G * c.
 With few sequences a step's cost is mostly fixed (weights are read once whatever T is), so even
 modest acceptance pays; with many, each token costs nearly its share and speculation backs off
-by itself. A sequence left at zero for `probe_after` steps is granted one token, so a change in
-its acceptance is noticed. `disable_batch_size` (if > 0) switches speculation off while more
+by itself. A sequence (or kind) left at zero for `probe_after` offers is granted one token, so
+a change in its acceptance is noticed. `disable_batch_size` (if > 0) switches speculation off while more
 sequences than that decode.
 """
 
@@ -39,18 +43,24 @@ class _Acceptance:
 class SpecController:
     def __init__(self, max_tokens: int, disable_batch_size: int = 0, prior: float = 0.6,
                  decay: float = 0.8, probe_after: int = 16, window: int = 64,
-                 prior_weight: float = 0.5) -> None:
+                 prior_weight: float = 0.5, kind_decay: float = 0.95) -> None:
         self.max_tokens = max_tokens
         self.disable_batch_size = disable_batch_size
         self.prior, self.decay, self.probe_after = prior, decay, probe_after
-        self.prior_weight = prior_weight
+        self.prior_weight, self.kind_decay = prior_weight, kind_decay
         self._seqs: dict[str, _Acceptance] = {}
+        self._kinds: dict[int, _Acceptance] = {}
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=window)
         self._draft_cost = 0.0           # seconds per proposed token (draft model), EMA
 
     # ------------------------------------------------------------------ estimates
-    def alpha(self, request_id: str) -> float:
-        s = self._seqs.get(request_id)
+    def _stats(self, request_id: str, kind: int) -> _Acceptance:
+        if kind:
+            return self._kinds.setdefault(kind, _Acceptance())
+        return self._seqs.setdefault(request_id, _Acceptance())
+
+    def alpha(self, request_id: str, kind: int = 0) -> float:
+        s = self._kinds.get(kind) if kind else self._seqs.get(request_id)
         if s is None:
             return self.prior
         w = self.prior_weight
@@ -81,20 +91,24 @@ class SpecController:
             per = seconds / num_tokens
             self._draft_cost = per if not self._draft_cost else 0.8 * self._draft_cost + 0.2 * per
 
-    def record(self, request_id: str, proposed: int, accepted: int) -> None:
-        s = self._seqs.setdefault(request_id, _Acceptance())
+    def record(self, request_id: str, proposed: int, accepted: int, kind: int = 0) -> None:
+        s = self._stats(request_id, kind)
         if proposed == 0:
             return
-        s.accepted = self.decay * s.accepted + accepted
-        s.trials = self.decay * s.trials + accepted + (1 if accepted < proposed else 0)
+        decay = self.kind_decay if kind else self.decay
+        s.accepted = decay * s.accepted + accepted
+        s.trials = decay * s.trials + accepted + (1 if accepted < proposed else 0)
 
     def release(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)
 
     # ------------------------------------------------------------------ the decision
-    def plan(self, request_ids: list[str], caps: list[int], other_tokens: int = 0) -> list[int]:
+    def plan(self, request_ids: list[str], caps: list[int], other_tokens: int = 0,
+             kinds: list[int] | None = None) -> list[int]:
         """Proposals to verify per decoding sequence (at most caps[i] each). `other_tokens`:
-        tokens of the step that are not decodes (prompt chunks), when known."""
+        tokens of the step that are not decodes (prompt chunks), when known; `kinds`: the
+        kind of each sequence's proposal, when known before planning."""
+        kinds = kinds or [0] * len(request_ids)
         ks = [0] * len(request_ids)
         n = len(request_ids)
         if n == 0 or (self.disable_batch_size and n > self.disable_batch_size):
@@ -105,7 +119,7 @@ class SpecController:
         a, b, e = model
         c = b + self._draft_cost
         gain, time = float(n), a + b * (n + other_tokens)
-        alphas = [self.alpha(r) for r in request_ids]
+        alphas = [self.alpha(r, kd) for r, kd in zip(request_ids, kinds)]
         heap = [(-alphas[i], i) for i in range(n) if caps[i] > 0]
         heapq.heapify(heap)
         while heap:
@@ -119,7 +133,7 @@ class SpecController:
             if ks[i] < min(caps[i], self.max_tokens):
                 heapq.heappush(heap, (-(m * alphas[i]), i))
         for i, rid in enumerate(request_ids):
-            s = self._seqs.setdefault(rid, _Acceptance())
+            s = self._stats(rid, kinds[i])
             if ks[i] or caps[i] == 0:
                 s.idle_steps = 0
             else:
