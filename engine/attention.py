@@ -4,15 +4,14 @@ A step's batch is ragged: B sequences, each contributing q_len_i new tokens, con
 T = sum(q_len_i) rows with no padding. `AttentionMetadata` describes that batch once per step and
 is passed explicitly to every layer.
 
-How sequences are attended depends on where the step runs:
-  * on CPUs, one sequence at a time: gather its context blocks, one SDPA call (no mask for a
-    single-token decode, causal for a fresh prompt, a mask built once per step for queries after
-    cached context: a chunk, or a decode verifying speculative tokens). A sequence's K/V (a few
-    hundred KiB) stays in the core's L2 cache between the gather and the SDPA call; gathering a
-    whole batch first spills to memory and was measured 2x slower at 32 sequences;
-  * on accelerators, decodes (q_len 1) all at once and short queries after cached context
-    (q_len <= MAX_GROUPED_QUERY) all at once: one gather and one SDPA call per group over a
-    padded [B, heads, Q_max, L_max] problem with a mask causal per row; longer chunks one by one.
+Sequences are attended in groups, each one gather of the group's context blocks and one SDPA
+call over a padded [B, heads, Q_max, L_max] problem with a mask (causal per row, padding off):
+decodes (q_len 1) in some groups, short queries after cached context (q_len <=
+MAX_GROUPED_QUERY: a decode verifying speculative tokens, the tail of a prompt whose prefix was
+cached) in others. On accelerators a group takes every such sequence; on CPUs a group gathers at
+most CPU_GROUP_BYTES of K/V per layer, so what it gathers is still in cache when SDPA reads it
+(at 32 sequences of 400 tokens one group of 20 MB made a decode step 2.3x slower than groups of
+2 MB). Prompt chunks are attended one by one (causal, offset by cached context).
 """
 
 from __future__ import annotations
@@ -24,6 +23,16 @@ import torch.nn.functional as F
 
 
 MAX_GROUPED_QUERY = 32     # longest query attended in a padded group rather than on its own
+CPU_GROUP_BYTES = 2 << 20  # K and V one group gathers per layer on CPUs (fits the caches)
+
+
+def group_tokens_for(kv: torch.Tensor) -> int | None:
+    """The group_tokens limit for a KV pool [layers, 2, blocks, block_size, kv_heads, head_dim]:
+    on CPUs what CPU_GROUP_BYTES hold; none on accelerators."""
+    if kv.device.type != "cpu":
+        return None
+    kv_heads, head_dim = kv.shape[-2], kv.shape[-1]
+    return max(CPU_GROUP_BYTES // (2 * kv_heads * head_dim * kv.element_size()), 1)
 
 
 @dataclass(frozen=True)
@@ -95,25 +104,25 @@ class AttentionMetadata:
     @classmethod
     def build(cls, tables: list[list[int]], starts: list[int], q_lens: list[int],
               block_size: int, device: torch.device,
-              batched: bool | None = None) -> "AttentionMetadata":
-        """tables: each sequence's blocks; starts: its cached tokens; q_lens: its new tokens.
-        batched: group decodes and short queries (default: on accelerators, not on CPUs)."""
-        if batched is None:
-            batched = device.type != "cpu"
+              group_tokens: int | None = None) -> "AttentionMetadata":
+        """tables: each sequence's blocks; starts: its cached tokens; q_lens: its new tokens;
+        group_tokens: the most padded context tokens one group may gather (None: no limit; see
+        group_tokens_for)."""
         slots, qsl, seq_lens, one_by_one, decodes, short = [], [0], [], [], [], []
         for i, (table, start, n) in enumerate(zip(tables, starts, q_lens)):
             slots.extend(table[p // block_size] * block_size + p % block_size
                          for p in range(start, start + n))
-            if batched and n == 1:
+            if n == 1:
                 decodes.append(i)
-            elif batched and start > 0 and n <= MAX_GROUPED_QUERY:
+            elif start > 0 and n <= MAX_GROUPED_QUERY:
                 short.append(i)
             else:
                 one_by_one.append(i)
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
-        groups = tuple(QueryGroup.build(seqs, tables, starts, q_lens, qsl, block_size, device)
-                       for seqs in (decodes, short) if seqs)
+        groups = tuple(QueryGroup.build(chunk, tables, starts, q_lens, qsl, block_size, device)
+                       for seqs in (decodes, short)
+                       for chunk in _chunks(seqs, seq_lens, group_tokens))
         tabs: list[torch.Tensor | None] = [None] * len(tables)
         masks: list[torch.Tensor | None] = [None] * len(tables)
         for i in one_by_one:
@@ -126,6 +135,23 @@ class AttentionMetadata:
                             <= torch.arange(start, start + n, device=device)[:, None])
         return cls(torch.tensor(slots, dtype=torch.long, device=device), qsl, seq_lens,
                    tabs, one_by_one, masks, groups)
+
+
+def _chunks(seqs: list[int], lens: list[int], limit: int | None) -> list[list[int]]:
+    """Split seqs, in order, so that each part's count x longest context is at most limit."""
+    if not seqs:
+        return []
+    if limit is None:
+        return [seqs]
+    out, cur, longest = [], [], 0
+    for i in seqs:
+        if cur and (len(cur) + 1) * max(longest, lens[i]) > limit:
+            out.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, lens[i])
+    out.append(cur)
+    return out
 
 
 def store_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, group_tokens_for
 from engine.block_hash import BlockHasher
 from engine.block_pool import BlockPool, KVCacheManager
 from engine.config import EngineConfig, ModelConfig, parse_speculative
@@ -78,6 +78,7 @@ class Engine:
         # kv[layer, k_or_v, block, slot, kv_head, head_dim]; see engine.block_pool for the picture
         self.kv = torch.zeros(m.num_layers, 2, cfg.num_blocks, cfg.block_size, m.num_kv_heads,
                               m.head_dim, dtype=cfg.torch_dtype, device=self.device)
+        self._group_tokens = group_tokens_for(self.kv)
         self.layout = KVLayout(cfg.compute_dtype, cfg.block_size, m.num_layers, m.num_kv_heads, m.head_dim)
         self.pool = BlockPool(cfg.num_blocks)
         hasher = BlockHasher(cfg.block_size, cfg.hash_seed) if cfg.enable_prefix_caching else None
@@ -265,7 +266,8 @@ class Engine:
             if s.sample:            # the last position, and each proposal's
                 sample_rows.extend(range(len(ids) - 1 - s.num_spec, len(ids)))
         dev = self.device
-        meta = AttentionMetadata.build(tables, starts, q_lens, self.cfg.block_size, dev)
+        meta = AttentionMetadata.build(tables, starts, q_lens, self.cfg.block_size, dev,
+                                       self._group_tokens)
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(pos, dtype=torch.long, device=dev), meta,
                 torch.tensor(sample_rows, dtype=torch.long, device=dev))

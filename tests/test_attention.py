@@ -1,6 +1,6 @@
 """Paged attention against dense causal attention, on a ragged batch with single-token decodes,
-short queries after cached context, a long chunk after cached context and a fresh prompt: once
-attended sequence by sequence (CPUs) and once in padded groups (accelerators)."""
+short queries after cached context, a long chunk after cached context and a fresh prompt: with
+one group per kind (accelerators) and with groups limited in size (CPUs), down to one sequence."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import MAX_GROUPED_QUERY, AttentionMetadata, paged_attention, store_kv
+from engine.attention import (MAX_GROUPED_QUERY, AttentionMetadata, group_tokens_for,
+                              paged_attention, store_kv)
 
 HEADS, KV_HEADS, DIM, BS = 6, 2, 8, 4
 
@@ -24,8 +25,9 @@ def dense(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", F.softmax(scores, -1), v)
 
 
-@pytest.mark.parametrize("batched", [False, True], ids=["one-by-one", "grouped"])
-def test_every_path_matches_dense_causal_attention(batched):
+@pytest.mark.parametrize("limit,num_groups", [(None, 2), (40, 4), (1, 5)],
+                         ids=["unlimited", "limited", "one-each"])
+def test_every_path_matches_dense_causal_attention(limit, num_groups):
     g = torch.Generator().manual_seed(0)
     # (cached tokens, new tokens): decodes, grouped short queries of different lengths (padded),
     # a long chunk after cached context, a fresh prompt
@@ -45,11 +47,9 @@ def test_every_path_matches_dense_causal_attention(batched):
             slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(cached)])
             store_kv(cache, k[:cached], v[:cached], slots)
     meta = AttentionMetadata.build(tables, [c for c, _ in seqs], [n for _, n in seqs], BS,
-                                   torch.device("cpu"), batched=batched)
-    if batched:
-        assert len(meta.groups) == 2 and meta.one_by_one == [5, 6]
-    else:
-        assert not meta.groups and meta.one_by_one == list(range(len(seqs)))
+                                   torch.device("cpu"), group_tokens=limit)
+    # decodes: contexts 10 and 23; short queries: 18, 5 and 39 (padded to their group's longest)
+    assert len(meta.groups) == num_groups and meta.one_by_one == [5, 6]
     q = torch.randn(sum(n for _, n in seqs), HEADS, DIM, generator=g)
     k = torch.cat([k[c:] for (c, _), k in zip(seqs, full_k)])
     v = torch.cat([v[c:] for (c, _), v in zip(seqs, full_v)])
@@ -60,3 +60,8 @@ def test_every_path_matches_dense_causal_attention(batched):
         want = dense(q[rows], full_k[i], full_v[i], DIM ** -0.5)
         torch.testing.assert_close(out[rows], want, atol=1e-5, rtol=1e-5,
                                    msg=f"sequence {i} ({cached} cached, {new} new)")
+
+
+def test_cpu_groups_gather_about_two_mib_per_layer():
+    pool = torch.zeros(1, 2, 1, BS, 3, 64)                 # fp32, 3 KV heads of 64
+    assert group_tokens_for(pool) == (2 << 20) // (2 * 3 * 64 * 4)

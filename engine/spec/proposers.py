@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, group_tokens_for
 from engine.block_pool import BlockPool, KVCacheManager
 from engine.config import EngineConfig, ModelConfig
 from engine.request import Request
@@ -136,7 +136,8 @@ class DraftProposer(Proposer):
     def _forward(self, ids: list[int], pos: list[int], tables: list[list[int]],
                  starts: list[int], q_lens: list[int]) -> torch.Tensor:
         """Logits [num sequences, vocab] at each sequence's last new position."""
-        meta = AttentionMetadata.build(tables, starts, q_lens, self.block_size, self.device)
+        meta = AttentionMetadata.build(tables, starts, q_lens, self.block_size, self.device,
+                                       group_tokens_for(self.kv))
         last = torch.tensor(meta.query_start_loc[1:], device=self.device) - 1
         dev = self.device
         with torch.inference_mode():
