@@ -83,7 +83,7 @@ class AttentionMetadata:
     query_start_loc:  B + 1 ints, sequence i owns rows [query_start_loc[i], query_start_loc[i+1])
     seq_lens:         B ints, context length of sequence i after this step (cached + new)
     block_tables:     per sequence attended one by one after cached context, its used blocks
-    one_by_one:     indices i of sequences attended one by one
+    one_by_one:       indices i of sequences attended one by one (prompt chunks)
     masks:            per sequence, [q_len, seq_len] bool for queries after cached context
                       attended one by one (None where no mask is needed)
     groups:           the sequences attended batched (decodes, then short queries)
@@ -125,12 +125,11 @@ class AttentionMetadata:
                        for chunk in _chunks(seqs, seq_lens, group_tokens))
         tabs: list[torch.Tensor | None] = [None] * len(tables)
         masks: list[torch.Tensor | None] = [None] * len(tables)
-        for i in one_by_one:
+        for i in one_by_one:          # a chunk after cached context: query j sits at start + j
             start, n = starts[i], q_lens[i]
             if start > 0:
                 used = -(-(start + n) // block_size)
                 tabs[i] = torch.tensor(tables[i][:used], dtype=torch.long, device=device)
-            if start > 0 and n > 1:   # query j sits at position start + j
                 masks[i] = (torch.arange(start + n, device=device)[None, :]
                             <= torch.arange(start, start + n, device=device)[:, None])
         return cls(torch.tensor(slots, dtype=torch.long, device=device), qsl, seq_lens,

@@ -130,6 +130,7 @@ class DraftProposer(Proposer):
         self.block_size = cfg.block_size
         self.kv = torch.zeros(m.num_layers, 2, num_blocks, cfg.block_size, m.num_kv_heads,
                               m.head_dim, dtype=cfg.torch_dtype, device=self.device)
+        self.group_tokens = group_tokens_for(self.kv)
         self.kv_manager = KVCacheManager(BlockPool(num_blocks), cfg.block_size, None)
         self.computed: dict[str, int] = {}        # tokens whose draft KV is valid
 
@@ -137,7 +138,7 @@ class DraftProposer(Proposer):
                  starts: list[int], q_lens: list[int]) -> torch.Tensor:
         """Logits [num sequences, vocab] at each sequence's last new position."""
         meta = AttentionMetadata.build(tables, starts, q_lens, self.block_size, self.device,
-                                       group_tokens_for(self.kv))
+                                       self.group_tokens)
         last = torch.tensor(meta.query_start_loc[1:], device=self.device) - 1
         dev = self.device
         with torch.inference_mode():
