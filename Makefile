@@ -10,12 +10,12 @@ STAMP := $(VENV)/.pdserve-installed
 TORCH ?= torch==2.13.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || ! command -v sudo >/dev/null || echo sudo)
 
-.PHONY: serve test setup proto fetch redis clean
+.PHONY: serve test setup proto fetch system clean
 
-serve: setup redis
+serve: setup system
 	$(VENV)/bin/pdserve up
 
-test: setup redis
+test: setup system
 	$(PY) -m pytest -q
 
 setup: proto fetch
@@ -34,9 +34,12 @@ proto: $(STAMP)
 fetch: $(STAMP)
 	$(VENV)/bin/pdserve model fetch
 
-redis:
-	@command -v redis-server >/dev/null || $(SUDO) apt-get install -y redis-server \
-		|| { $(SUDO) apt-get update && $(SUDO) apt-get install -y redis-server; }
+# Debian packages: redis-server (the prefix directory), g++ (builds the CPU linear kernel).
+SYSTEM_PKGS = $(if $(shell command -v redis-server),,redis-server) $(if $(shell command -v c++),,g++)
+
+system:
+	@[ -z "$(strip $(SYSTEM_PKGS))" ] || $(SUDO) apt-get install -y $(SYSTEM_PKGS) \
+		|| { $(SUDO) apt-get update && $(SUDO) apt-get install -y $(SYSTEM_PKGS); }
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache proto/*_pb2.py proto/*_pb2_grpc.py proto/*_pb2.pyi

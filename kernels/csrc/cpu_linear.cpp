@@ -1,0 +1,121 @@
+// fp32 linear layer for x86 CPUs with AVX2 and FMA: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]).
+//
+// The weight is packed once into panels of 16 output features, k-major inside a panel:
+// packed[(p * K + k) * 16 + j] = W[p * 16 + j][k] (zero past N). A panel is streamed from memory
+// once per call and reused from cache for every group of up to 6 rows, whose 6 x 16 outputs stay
+// in 12 AVX registers for the whole K loop. Each output is a plain sequential sum over k, so a
+// row's result does not depend on how many other rows share the call.
+//
+// Plain C ABI (no torch headers): loaded with ctypes by kernels/cpu_linear.py, which compiles it
+// on first use. Parallel over panels with OpenMP when the caller allows more than one thread.
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kPanel = 16;  // output features per panel: two 8-float AVX registers
+constexpr int kMaxRows = 6;     // 6 rows x 2 registers = 12 accumulators, of 16 registers
+
+__m256i tail_mask(int64_t n) {  // lanes [0, n) set, n in [0, 8]
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lanes);
+}
+
+// rows x 16 outputs of one panel. `next` is the following panel, prefetched one 64-byte line
+// per k step so that it is in cache when its turn comes.
+template <int Rows>
+inline void panel_rows(const float* __restrict x, int64_t K, const float* __restrict panel,
+                       const float* __restrict bias, float* __restrict y, int64_t ldy,
+                       int64_t cols, const float* next) {
+    __m256 acc[Rows][2];
+    const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+    const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int m = 0; m < Rows; ++m) {
+        acc[m][0] = b0;
+        acc[m][1] = b1;
+    }
+    for (int64_t k = 0; k < K; ++k) {
+        const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel);
+        const __m256 w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+        _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T0);
+#pragma GCC unroll 8
+        for (int m = 0; m < Rows; ++m) {
+            const __m256 xm = _mm256_broadcast_ss(x + m * K + k);
+            acc[m][0] = _mm256_fmadd_ps(xm, w0, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(xm, w1, acc[m][1]);
+        }
+    }
+    if (cols == kPanel) {
+#pragma GCC unroll 8
+        for (int m = 0; m < Rows; ++m) {
+            _mm256_storeu_ps(y + m * ldy, acc[m][0]);
+            _mm256_storeu_ps(y + m * ldy + 8, acc[m][1]);
+        }
+    } else {  // the last panel of an N that is not a multiple of 16
+        const __m256i lo = tail_mask(cols < 8 ? cols : 8), hi = tail_mask(cols > 8 ? cols - 8 : 0);
+#pragma GCC unroll 8
+        for (int m = 0; m < Rows; ++m) {
+            _mm256_maskstore_ps(y + m * ldy, lo, acc[m][0]);
+            _mm256_maskstore_ps(y + m * ldy + 8, hi, acc[m][1]);
+        }
+    }
+}
+
+void rows_of_panel(int rows, const float* x, int64_t K, const float* panel, const float* bias,
+                   float* y, int64_t ldy, int64_t cols, const float* next) {
+    switch (rows) {
+        case 1: panel_rows<1>(x, K, panel, bias, y, ldy, cols, next); break;
+        case 2: panel_rows<2>(x, K, panel, bias, y, ldy, cols, next); break;
+        case 3: panel_rows<3>(x, K, panel, bias, y, ldy, cols, next); break;
+        case 4: panel_rows<4>(x, K, panel, bias, y, ldy, cols, next); break;
+        case 5: panel_rows<5>(x, K, panel, bias, y, ldy, cols, next); break;
+        default: panel_rows<6>(x, K, panel, bias, y, ldy, cols, next); break;
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+int64_t pdserve_linear_panel() { return kPanel; }
+
+// Pack W[N, K] (row-major) into ceil(N / 16) panels; `out` holds ceil(N / 16) * 16 * K floats.
+void pdserve_linear_pack(const float* w, int64_t N, int64_t K, float* out) {
+    const int64_t panels = (N + kPanel - 1) / kPanel;
+#pragma omp parallel for schedule(static) if (omp_get_max_threads() > 1)
+    for (int64_t p = 0; p < panels; ++p) {
+        for (int64_t k = 0; k < K; ++k) {
+            for (int64_t j = 0; j < kPanel; ++j) {
+                const int64_t n = p * kPanel + j;
+                out[(p * K + k) * kPanel + j] = n < N ? w[n * K + k] : 0.0f;
+            }
+        }
+    }
+}
+
+// y[M, N] = x[M, K] @ W^T (+ bias). x and y are contiguous row-major; bias (may be null) is
+// padded to a multiple of 16 floats.
+void pdserve_linear(const float* x, int64_t M, int64_t K, const float* packed, int64_t N,
+                    const float* bias, float* y) {
+    const int64_t panels = (N + kPanel - 1) / kPanel;
+    const int64_t groups = (M + kMaxRows - 1) / kMaxRows;  // rows split evenly over the groups
+#pragma omp parallel for schedule(static) if (omp_get_max_threads() > 1 && panels > 1)
+    for (int64_t p = 0; p < panels; ++p) {
+        const float* panel = packed + p * K * kPanel;
+        const float* next = p + 1 < panels ? panel + K * kPanel : panel;
+        const float* pb = bias ? bias + p * kPanel : nullptr;
+        const int64_t cols = N - p * kPanel < kPanel ? N - p * kPanel : kPanel;
+        int64_t m = 0;
+        for (int64_t g = 0; g < groups; ++g) {
+            const int rows = static_cast<int>((M - m) / (groups - g));
+            rows_of_panel(rows, x + m * K, K, panel, pb, y + m * N + p * kPanel, N, cols, next);
+            m += rows;
+        }
+    }
+}
+
+}  // extern "C"

@@ -1,0 +1,106 @@
+"""The AVX2 linear kernel against its torch reference, and the engine's choice of backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine.linear import Avx2Linear, packed_linear_class, prepack_linears
+from kernels import cpu_linear
+
+needs_kernel = pytest.mark.skipif(not cpu_linear.cpu_supported(),
+                                  reason="the kernel targets x86 CPUs whose best ISA is AVX2")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@needs_kernel
+def test_builds_on_this_host(tmp_path, monkeypatch):
+    # On an AVX2 host with a compiler (CI installs g++), the kernel must be there: a silent
+    # fallback to torch would leave it untested.
+    assert cpu_linear.available()
+    lib = cpu_linear.build(tmp_path)
+    assert lib.exists() and cpu_linear.build(tmp_path) == lib     # the second call reuses it
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with pytest.raises(RuntimeError, match="cannot run the C\\+\\+ compiler"):
+        cpu_linear.build(tmp_path / "fresh")
+    monkeypatch.setenv("CXX", "false")               # a compiler that fails
+    with pytest.raises(RuntimeError, match="false failed"):
+        cpu_linear.build(tmp_path / "fresh")
+    assert not list((tmp_path / "fresh").iterdir())  # no half-written library left behind
+
+
+@needs_kernel
+@pytest.mark.parametrize("m,n,k", [(1, 16, 8), (1, 40, 24), (5, 48, 64), (6, 16, 576),
+                                   (7, 33, 100), (9, 960, 576), (13, 576, 1536), (64, 80, 96),
+                                   (3, 1, 5)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_torch(m, n, k, with_bias):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    b = torch.randn(n, generator=g) if with_bias else None
+    y = cpu_linear.linear(x, cpu_linear.pack(w), n, cpu_linear.pad_bias(b))
+    ref = cpu_linear.reference(x.double(), w.double(), None if b is None else b.double())
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    # fp32 sums of k products of unit-scale terms: error grows like sqrt(k) ulps
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=2e-6 * k ** 0.5)
+
+
+@needs_kernel
+def test_shapes_strides_and_empty_batches():
+    w = torch.randn(40, 24)
+    packed = cpu_linear.pack(w)
+    x = torch.randn(2, 3, 48)[..., ::2]                 # 3-D and not contiguous
+    torch.testing.assert_close(cpu_linear.linear(x, packed, 40), x @ w.T, rtol=1e-5, atol=1e-5)
+    assert cpu_linear.linear(torch.empty(0, 24), packed, 40).shape == (0, 40)
+    with pytest.raises(ValueError, match="does not hold"):
+        cpu_linear.linear(torch.randn(2, 24), packed, 64)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_linear.linear(torch.randn(2, 24, dtype=torch.float64), packed, 40)
+
+
+@needs_kernel
+def test_a_row_does_not_depend_on_its_batch():
+    # What speculative verification relies on: a sequence's projection is bit-identical whether
+    # it runs alone or beside other rows, at any position in the batch and any thread count.
+    w = torch.randn(200, 576)
+    packed = cpu_linear.pack(w)
+    x = torch.randn(17, 576)
+    full = cpu_linear.linear(x, packed, 200)
+    for i in (0, 5, 6, 11, 16):
+        assert torch.equal(cpu_linear.linear(x[i:i + 1], packed, 200)[0], full[i])
+    assert torch.equal(cpu_linear.linear(x[3:12], packed, 200), full[3:12])
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(cpu_linear.linear(x, packed, 200), full)
+    finally:
+        torch.set_num_threads(1)
+
+
+@needs_kernel
+def test_engine_swaps_linears_including_a_tied_head():
+    emb = nn.Embedding(50, 24)
+    model = nn.ModuleDict({"proj": nn.Linear(24, 40, bias=True), "head": nn.Linear(24, 50, bias=False)})
+    model["head"].weight = emb.weight
+    x = torch.randn(5, 24)
+    want = {name: mod(x) for name, mod in model.items()}
+    assert packed_linear_class(torch.device("cpu"), torch.float32) is Avx2Linear
+    assert prepack_linears(model, torch.device("cpu"), torch.float32) == 2
+    with torch.inference_mode():
+        for name, mod in model.items():
+            assert isinstance(mod, Avx2Linear)
+            torch.testing.assert_close(mod(x), want[name], rtol=1e-5, atol=1e-5)
+    assert emb.weight.shape == (50, 24)                # the tied parameter is left in place
+
+
+def test_other_devices_and_dtypes_keep_nn_linear():
+    assert packed_linear_class(torch.device("cpu"), torch.bfloat16) is None
+    assert packed_linear_class(torch.device("meta"), torch.float32) is None
