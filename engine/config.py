@@ -153,8 +153,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     hash_seed: int = 0                   # block hash seed; the same on every worker
     speculative: str = "off"             # "off", "ngram" or "draft:PATH" (engine.spec)
-    num_speculative_tokens: int = 8      # most proposals verified per sequence and step
-    spec_ngram_min: int = 2              # n-gram prompt lookup: shortest and longest match
+    num_speculative_tokens: int = 16     # most proposals verified per sequence and step
+    spec_ngram_min: int = 1              # n-gram prompt lookup: shortest and longest match
     spec_ngram_max: int = 4
     spec_disable_batch_size: int = 0     # > 0: no speculation while more sequences decode
 

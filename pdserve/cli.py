@@ -67,10 +67,10 @@ def _add_worker(p: argparse.ArgumentParser, role: str, port: int) -> None:
                           help="propose tokens ahead and verify them in one pass: ngram = "
                                "prompt lookup; draft:PATH = a smaller model folder with the "
                                "same tokenizer (its KV is computed on this worker)")
-        spec.add_argument("--num-speculative-tokens", type=int, default=8,
+        spec.add_argument("--num-speculative-tokens", type=int, default=16,
                           help="most proposals a sequence verifies per step (fewer when its "
                                "acceptance or the batch's cost says so)")
-        spec.add_argument("--spec-ngram-min", type=int, default=2,
+        spec.add_argument("--spec-ngram-min", type=int, default=1,
                           help="shortest n-gram the prompt lookup matches")
         spec.add_argument("--spec-ngram-max", type=int, default=4,
                           help="longest n-gram the prompt lookup matches")

@@ -67,7 +67,7 @@ class NgramProposer(Proposer):
     free = True
     MAX_MATCH = 16
 
-    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+    def __init__(self, min_n: int = 1, max_n: int = 4) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes need 1 <= min <= max, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
