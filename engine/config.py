@@ -172,8 +172,8 @@ class EngineConfig:
         if self.num_blocks < 0 or self.max_model_len < 0 or self.long_prefill_tokens < 0:
             raise ValueError("num_blocks, max_model_len and long_prefill_tokens must be >= 0")
         parse_speculative(self.speculative)
-        if not 1 <= self.num_speculative_tokens <= 16:
-            raise ValueError("num_speculative_tokens must be in [1, 16], got "
+        if not 1 <= self.num_speculative_tokens <= 32:
+            raise ValueError("num_speculative_tokens must be in [1, 32], got "
                              f"{self.num_speculative_tokens}")
         if not 1 <= self.spec_ngram_min <= self.spec_ngram_max:
             raise ValueError(f"n-gram sizes need 1 <= spec_ngram_min <= spec_ngram_max, got "
