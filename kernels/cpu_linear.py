@@ -14,7 +14,7 @@ share its step.
 
 The source is compiled on first use with the system C++ compiler ($CXX, else c++) into
 $PDSERVE_KERNEL_CACHE (default: ~/.cache/pdserve/kernels), keyed by a hash of source and flags,
-and loaded with ctypes. `available()` is false where it cannot run (not an AVX2 x86 CPU, no
+and loaded with ctypes. It runs on torch's thread count (torch.set_num_threads). `available()` is false where it cannot run (not an AVX2 x86 CPU, no
 compiler, a failed build) and the engine then keeps torch's linear. No autograd: inference only.
 `reference` is the torch computation it must match.
 """
@@ -104,8 +104,8 @@ def _library() -> ctypes.CDLL | None:
         log.warning("CPU linear kernel unavailable, using torch's: %s", e)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.pdserve_linear_pack.argtypes = [ptr, i64, i64, ptr]
-    lib.pdserve_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr]
+    lib.pdserve_linear_pack.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
+    lib.pdserve_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
     lib.pdserve_linear_panel.restype = i64
     if lib.pdserve_linear_panel() != PANEL:
         log.warning("CPU linear kernel: panel width mismatch, using torch's")
@@ -131,7 +131,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     w = weight.detach().contiguous()
     n, k = w.shape
     out = torch.empty(-(-n // PANEL) * PANEL * k, dtype=torch.float32)
-    lib.pdserve_linear_pack(w.data_ptr(), n, k, out.data_ptr())
+    lib.pdserve_linear_pack(w.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -161,5 +161,6 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     y = torch.empty(m, out_features, dtype=torch.float32)
     if m:
         lib.pdserve_linear(x2.data_ptr(), m, k, packed.data_ptr(), out_features,
-                           bias.data_ptr() if bias is not None else None, y.data_ptr())
+                           bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                           torch.get_num_threads())
     return y.view(*x.shape[:-1], out_features)

@@ -7,11 +7,10 @@
 // row's result does not depend on how many other rows share the call.
 //
 // Plain C ABI (no torch headers): loaded with ctypes by kernels/cpu_linear.py, which compiles it
-// on first use. Parallel over panels with OpenMP when the caller allows more than one thread.
+// on first use. Parallel over panels with OpenMP on the number of threads the caller passes (the
+// caller's torch thread count: OpenMP's own default would be every core, in whichever thread calls).
 
 #include <immintrin.h>
-#include <omp.h>
-
 #include <cstdint>
 
 namespace {
@@ -84,9 +83,9 @@ extern "C" {
 int64_t pdserve_linear_panel() { return kPanel; }
 
 // Pack W[N, K] (row-major) into ceil(N / 16) panels; `out` holds ceil(N / 16) * 16 * K floats.
-void pdserve_linear_pack(const float* w, int64_t N, int64_t K, float* out) {
+void pdserve_linear_pack(const float* w, int64_t N, int64_t K, float* out, int threads) {
     const int64_t panels = (N + kPanel - 1) / kPanel;
-#pragma omp parallel for schedule(static) if (omp_get_max_threads() > 1)
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t p = 0; p < panels; ++p) {
         for (int64_t k = 0; k < K; ++k) {
             for (int64_t j = 0; j < kPanel; ++j) {
@@ -100,10 +99,10 @@ void pdserve_linear_pack(const float* w, int64_t N, int64_t K, float* out) {
 // y[M, N] = x[M, K] @ W^T (+ bias). x and y are contiguous row-major; bias (may be null) is
 // padded to a multiple of 16 floats.
 void pdserve_linear(const float* x, int64_t M, int64_t K, const float* packed, int64_t N,
-                    const float* bias, float* y) {
+                    const float* bias, float* y, int threads) {
     const int64_t panels = (N + kPanel - 1) / kPanel;
     const int64_t groups = (M + kMaxRows - 1) / kMaxRows;  // rows split evenly over the groups
-#pragma omp parallel for schedule(static) if (omp_get_max_threads() > 1 && panels > 1)
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && panels > 1)
     for (int64_t p = 0; p < panels; ++p) {
         const float* panel = packed + p * K * kPanel;
         const float* next = p + 1 < panels ? panel + K * kPanel : panel;
