@@ -69,7 +69,8 @@ def packed_linear_class(device: torch.device, dtype: torch.dtype) -> type[nn.Mod
 
 
 def prepack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
-    """Replace the model's nn.Linear modules by this host's packed linear in place; returns how many.
+    """Replace the model's nn.Linear modules by this host's packed linear in place; returns how
+    many.
 
     A linear whose weight is shared (a tied lm_head) gets its own packed copy; the shared
     parameter stays where it is for its other user.

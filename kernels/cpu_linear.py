@@ -13,10 +13,11 @@ batch: a sequence's logits do not depend on which other sequences, or how many p
 share its step.
 
 The source is compiled on first use with the system C++ compiler ($CXX, else c++) into
-$PDSERVE_KERNEL_CACHE (default: ~/.cache/pdserve/kernels), keyed by a hash of source and flags,
-and loaded with ctypes. It runs on torch's thread count (torch.set_num_threads). `available()` is false where it cannot run (not an AVX2 x86 CPU, no
-compiler, a failed build) and the engine then keeps torch's linear. No autograd: inference only.
-`reference` is the torch computation it must match.
+$PDSERVE_KERNEL_CACHE (default: the `kernels` folder of pdserve's cache, ~/.cache/pdserve or
+$PDSERVE_CACHE), keyed by a hash of source and flags, and loaded with ctypes. It runs on torch's
+thread count (torch.set_num_threads). `available()` is false where it cannot run (not an AVX2
+x86 CPU, no compiler, a failed build) and the engine then keeps torch's linear. No autograd:
+inference only. `reference` is the torch computation it must match.
 """
 
 from __future__ import annotations
@@ -43,14 +44,17 @@ FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
 PANEL = 16   # output features per packed panel (kept in step with kPanel in the source)
 
 
-def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def reference(x: torch.Tensor, weight: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, weight, bias)
 
 
 def cache_dir() -> Path:
-    env = os.environ.get("PDSERVE_KERNEL_CACHE")
-    if env:
-        return Path(env).expanduser()
+    """PDSERVE_KERNEL_CACHE, else the same cache root as pdserve.paths.cache_dir() (which this
+    package may not import) + /kernels."""
+    for env, sub in (("PDSERVE_KERNEL_CACHE", ""), ("PDSERVE_CACHE", "kernels")):
+        if os.environ.get(env):
+            return Path(os.environ[env]).expanduser() / sub
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "pdserve" / "kernels"
 

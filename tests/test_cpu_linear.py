@@ -88,7 +88,8 @@ def test_a_row_does_not_depend_on_its_batch():
 @needs_kernel
 def test_engine_swaps_linears_including_a_tied_head():
     emb = nn.Embedding(50, 24)
-    model = nn.ModuleDict({"proj": nn.Linear(24, 40, bias=True), "head": nn.Linear(24, 50, bias=False)})
+    model = nn.ModuleDict({"proj": nn.Linear(24, 40, bias=True),
+                           "head": nn.Linear(24, 50, bias=False)})
     model["head"].weight = emb.weight
     x = torch.randn(5, 24)
     want = {name: mod(x) for name, mod in model.items()}

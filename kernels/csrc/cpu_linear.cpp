@@ -8,7 +8,8 @@
 //
 // Plain C ABI (no torch headers): loaded with ctypes by kernels/cpu_linear.py, which compiles it
 // on first use. Parallel over panels with OpenMP on the number of threads the caller passes (the
-// caller's torch thread count: OpenMP's own default would be every core, in whichever thread calls).
+// caller's torch thread count: OpenMP's own default would be every core, in whichever thread
+// calls).
 
 #include <immintrin.h>
 #include <cstdint>
