@@ -2,9 +2,9 @@
 
 Two backends, picked per host by `prepack_linears(model)`:
 - `Avx2Linear` (kernels/cpu_linear.py, our kernel) on x86 CPUs whose best vector ISA is AVX2:
-  near the FMA peak at any row count and at memory speed for one row, where oneDNN reaches
-  60-80% of the peak (the default model's 120 layer projections, one thread: 1 row 21 vs 28 ms,
-  9 rows 36 vs 50 ms). A row's result does not depend on the rest of the batch.
+  at memory speed up to ~9 rows and near the FMA peak beyond, where oneDNN reaches 60-80% of
+  the peak (`pdserve linearbench`, the default model, one thread: 1 row 33 vs 36 ms, 9 rows 34
+  vs 64 ms). A row's result does not depend on the rest of the batch.
 - `OneDnnLinear` elsewhere on fp32 CPUs with torch's oneDNN ops (AVX-512, AMX): MKL's sgemm
   spends much of a small-batch step repacking each weight; oneDNN with the weight packed once is
   10-25% faster at 10-32 rows on AVX2 (and uses the wider units where they exist).

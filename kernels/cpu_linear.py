@@ -1,10 +1,11 @@
 """fp32 linear layers on x86 CPUs with AVX2: y = x @ W.T (+ b) with W packed once, at load time.
 
 The kernel (csrc/cpu_linear.cpp) streams each 16-feature panel of the weight from memory once
-per call and reuses it from cache for every group of up to 6 rows. On an AVX2 core (fp32) it runs
-near the FMA peak at any row count, where oneDNN's packed linear reaches 60-80% of it, and it is
-at memory speed for a single row (measured on the default model's shapes, one thread: 1 row
-21 vs 28 ms for the 30 layers' 120 projections, 9 rows 36 vs 50 ms, 512 rows 92 vs 78 GFLOPS).
+per call (prefetching the next one into L2 while it computes) and reuses it from cache for every
+group of up to 6 rows. On an AVX2 core (fp32) it runs at memory speed up to ~9 rows and near the
+FMA peak beyond, where oneDNN's packed linear reaches 60-80% of it (`pdserve linearbench`, the
+default model's projections and lm_head, one thread: 1 row 33 vs 36 ms, 9 rows 34 vs 64 ms,
+17 rows 53 vs 94 ms, 128 rows 92 vs 75 GFLOPS).
 That makes scoring a few tokens per sequence (speculative verification, small decode batches)
 close to the cost of one.
 

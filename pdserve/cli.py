@@ -224,6 +224,26 @@ def _add_kvbench(sub) -> None:
     p.set_defaults(target="pdserve.bench.kvbench:main")
 
 
+def _add_linearbench(sub) -> None:
+    p = sub.add_parser(
+        "linearbench", help="CPU linear layers of one forward pass: our kernel, oneDNN, torch",
+        formatter_class=_DefaultsFormatter,
+        description="Time a model's linear layers (its config's shapes, random fp32 weights) in "
+                    "model order, as one forward pass runs them, for each row count and backend: "
+                    "avx2 (our kernel), onednn (packed), torch (nn.Linear).")
+    p.add_argument("--model", default=None,
+                   help=f"model folder whose config.json gives the shapes "
+                        f"(default: {default_model_dir()})")
+    p.add_argument("--rows", default="1,2,5,9,17,32,128", help="comma list of row counts")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--layers", type=int, default=0, help="decoder layers to include (0: all)")
+    p.add_argument("--backends", default="avx2,onednn,torch", help="comma list")
+    p.add_argument("--repeat", type=int, default=5, help="passes per point; the best is kept")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--out", default=None, help="JSON file for the figures")
+    p.set_defaults(target="pdserve.bench.linearbench:main")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
@@ -298,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_bench(sub)
     _add_kvbench(sub)
+    _add_linearbench(sub)
     _add_baseline(sub)
     return parser
 

@@ -105,3 +105,24 @@ def test_engine_swaps_linears_including_a_tied_head():
 def test_other_devices_and_dtypes_keep_nn_linear():
     assert packed_linear_class(torch.device("cpu"), torch.bfloat16) is None
     assert packed_linear_class(torch.device("meta"), torch.float32) is None
+
+
+def test_linearbench_times_every_backend_of_the_model_shapes(model_dir, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "lin.json"
+    proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "linearbench", "--model",
+                           str(model_dir), "--layers", "1", "--rows", "1,3", "--repeat", "1",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(out.read_text())
+    expect = {"torch"} | ({"avx2"} if cpu_linear.available() else set())
+    assert expect <= set(got["seconds"])
+    assert all(s > 0 for res in got["seconds"].values() for s in res.values())
+    assert set(got["seconds"]["torch"]) == {"1", "3"}
+    # one layer of the default model (4 projections) + its lm_head
+    assert got["flops_per_row"] == 2 * (576 * (576 + 2 * 192) + 576 * 576 + 576 * 2 * 1536
+                                        + 1536 * 576 + 576 * 49152)
+    assert "avx2/torch" in proc.stdout or not cpu_linear.available()
