@@ -50,9 +50,16 @@ def generator(seed: int, index: int, device: torch.device) -> torch.Generator:
 
 
 def draw(probs: torch.Tensor, gen: torch.Generator) -> int:
-    """One token from `probs` [V]."""
-    noise = torch.empty_like(probs).exponential_(generator=gen)
-    return int(torch.argmax(probs / noise))        # exponential race == categorical sample
+    """One token from `probs` [V] (non-negative, any positive total): the inverse of its CDF at
+    one uniform draw. The CDF is summed in float64, so each token keeps its probability to
+    ~1e-16; one random number per token instead of one per vocabulary entry (an exponential
+    race over 49,152 entries took 1 ms a row, most of a 32-sequence sampled step's sampling)."""
+    cdf = probs.to(torch.float64).cumsum(-1)
+    u = torch.rand(1, generator=gen, dtype=torch.float64, device=probs.device) * cdf[-1]
+    i = int(torch.searchsorted(cdf, u, right=True))    # the first token whose CDF exceeds u
+    if i >= cdf.numel():                                # u rounded up to the total
+        i = int(torch.nonzero(probs).max())
+    return i
 
 
 def token_logprob(logits: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
