@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 PACK_ROWS_HINT = 16   # the batch size oneDNN tunes the packed layout for
 
 
-def _onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
+def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
     ops = getattr(torch.ops, "mkldnn", None)
     return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
             and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise"))
@@ -65,7 +65,7 @@ def packed_linear_class(device: torch.device, dtype: torch.dtype) -> type[nn.Mod
         return None
     if cpu_linear.available():
         return Avx2Linear
-    return OneDnnLinear if _onednn_available(device, dtype) else None
+    return OneDnnLinear if onednn_available(device, dtype) else None
 
 
 def prepack_linears(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:

@@ -251,3 +251,16 @@ def test_preemption_with_speculation_keeps_greedy_output(model_dir):
     assert run(eng, requests()) == plain
     assert eng.stats.preemptions > 0
     _pools_free(eng)
+
+
+def test_controller_probes_a_kind_once_per_probe_after_steps_however_many_offer_it():
+    """A kind that is never worth verifying, offered by 32 sequences every step: one probe token
+    every 16 steps in all (not one per 16 offers, i.e. two a step)."""
+    ctl = SpecController(max_tokens=8, probe_after=16)
+    for t in range(1, 33):
+        ctl.observe_step(t, 0, 0.050 + 0.004 * t)
+    for i in range(20):
+        ctl.record(f"a{i}", 8, 0, kind=2)
+    ids = [f"s{i}" for i in range(32)]
+    granted = [sum(ctl.plan(ids, [8] * 32, kinds=[2] * 32)) for _ in range(48)]
+    assert sum(granted) == 3 and max(granted) == 1

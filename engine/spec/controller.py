@@ -20,8 +20,8 @@ throughput: with G expected tokens out of a step taking t, one more proposal wor
 With few sequences a step's cost is mostly fixed (weights are read once whatever T is), so even
 modest acceptance pays; with many, each token costs nearly its share and speculation backs off
 by itself. A sequence (or kind) offered but left at zero for `probe_after` steps is granted one
-token, so a change in its acceptance is noticed. `disable_batch_size` (if > 0) switches speculation off while more
-sequences than that decode.
+token, so a change in its acceptance is noticed. `disable_batch_size` (if > 0) switches
+speculation off while more sequences than that decode.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ class SpecController:
         self._kinds: dict[int, _Acceptance] = {}
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=window)
         self._draft_cost = 0.0           # seconds per proposed token (draft model), EMA
-        self.num_probes = 0
 
     # ------------------------------------------------------------------ estimates
     def _stats(self, request_id: str, kind: int) -> _Acceptance:
@@ -148,5 +147,4 @@ class SpecController:
             s.idle_steps += 1
             if s.idle_steps >= self.probe_after:
                 ks[idx[0]], s.idle_steps = 1, 0
-                self.num_probes += 1
         return ks

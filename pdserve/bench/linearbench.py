@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.linear import Avx2Linear, OneDnnLinear, _onednn_available
+from engine.linear import Avx2Linear, OneDnnLinear, onednn_available
 from kernels import cpu_linear
 from pdserve.paths import resolve_model
 
@@ -36,7 +36,7 @@ def backends(device: torch.device) -> dict[str, type[nn.Module] | None]:
     out: dict[str, type[nn.Module] | None] = {}
     if cpu_linear.available():
         out["avx2"] = Avx2Linear
-    if _onednn_available(device, torch.float32):
+    if onednn_available(device, torch.float32):
         out["onednn"] = OneDnnLinear
     out["torch"] = None
     return out
