@@ -8,9 +8,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdserve-installed
 # Pinned and installed first: a bare `pip install torch` pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
+# Triton: the GPU kernels (kernels/); on CPUs their tests run under its interpreter.
+TRITON ?= triton==3.9.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || ! command -v sudo >/dev/null || echo sudo)
 
-.PHONY: serve test setup proto fetch system clean
+.PHONY: serve test setup proto fetch system clean gpu-check
 
 serve: setup system
 	$(VENV)/bin/pdserve up
@@ -24,7 +26,7 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml | $(PY)
-	$(PY) -m pip install $(TORCH)
+	$(PY) -m pip install $(TORCH) $(TRITON)
 	$(PY) -m pip install -e '.[dev]'
 	touch $@
 
@@ -40,6 +42,12 @@ SYSTEM_PKGS = $(if $(shell command -v redis-server),,redis-server) $(if $(shell 
 system:
 	@[ -z "$(strip $(SYSTEM_PKGS))" ] || $(SUDO) apt-get install -y $(SYSTEM_PKGS) \
 		|| { $(SUDO) apt-get update && $(SUDO) apt-get install -y $(SYSTEM_PKGS); }
+
+# On a GPU machine, with that machine's python3 (torch, triton, transformers, numpy, pytest):
+# no setup, no network, no model files. Prints one summary table; exit status 0 if all pass.
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONPATH=. $(GPU_PYTHON) -m pdserve.gpucheck $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache proto/*_pb2.py proto/*_pb2_grpc.py proto/*_pb2.pyi

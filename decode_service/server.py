@@ -18,6 +18,7 @@ from engine.async_engine import AsyncEngine
 from engine.engine import KVLayout
 from engine.request import Request, RequestOutput, TokenLogprob
 from kvtransfer import TransferTarget, block_bytes, create_receiver
+from kvtransfer.staging import HostStaging
 from kvtransfer.wire import logprob_to_pb, target_to_pb
 from pdserve.metrics import TransferMetrics, WorkerMetrics
 from pdserve.worker import WorkerIdentity, sampling_from_pb, serve, worker_stats
@@ -28,12 +29,14 @@ log = logging.getLogger(__name__)
 
 
 class DecodeSink:
-    """Where received KV lands: this worker's pool, for blocks reserved by Decode streams."""
+    """Where received KV lands: this worker's pool, for blocks reserved by Decode streams.
+    Host data reaches a device pool through page-locked staging buffers (kvtransfer.staging)."""
 
     def __init__(self, aengine: AsyncEngine, transfers: TransferMetrics) -> None:
         self.aengine = aengine
         self.layout: KVLayout = aengine.engine.layout
         self.transfers = transfers
+        self.staging = HostStaging(aengine.engine.kv.device)
         self.reservations: dict[str, list[int]] = {}
         self.since: dict[str, float] = {}
 
@@ -58,8 +61,9 @@ class DecodeSink:
         return bool(self.reservations)
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        kv = self.aengine.engine.kv
-        kv[:, :, torch.tensor(block_ids, dtype=torch.long)] = data.to(kv.device)
+        """On the device's current stream, so the engine's later steps see the blocks; returns
+        once the copies are queued (the staging buffer stays untouched until they are done)."""
+        self.staging.write_blocks(self.pool, block_ids, data)
 
     async def complete(self, request_id: str, first_token: int,
                        first_logprob: TokenLogprob | None) -> None:

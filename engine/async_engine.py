@@ -204,6 +204,7 @@ class AsyncEngine:
             fut.set_exception(exc)
 
     def _run(self) -> None:
+        self.engine.runner.bind_thread()
         while not self._stop.is_set():
             block = not self.engine.has_work()
             try:

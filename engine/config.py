@@ -138,7 +138,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How one engine runs. `num_blocks` must be resolved (> 0) before the engine starts."""
+    """How one engine runs. `num_blocks` 0: on CUDA, sized from gpu_memory_utilization when the
+    engine starts; elsewhere it must be given."""
 
     role: str = "decode"                 # "prefill": finish after the first token, keep blocks
     dtype: str = "float32"               # the model's weights are rounded to this
@@ -157,6 +158,9 @@ class EngineConfig:
     spec_ngram_min: int = 1              # n-gram prompt lookup: shortest and longest match
     spec_ngram_max: int = 4
     spec_disable_batch_size: int = 0     # > 0: no speculation while more sequences decode
+    attention_backend: str = "auto"      # "torch", "triton"; auto: triton on CUDA, else torch
+    enforce_eager: bool = False          # no CUDA graphs for decode-only steps
+    gpu_memory_utilization: float = 0.9  # share of the GPU's memory this engine may use
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -178,6 +182,12 @@ class EngineConfig:
         if not 1 <= self.spec_ngram_min <= self.spec_ngram_max:
             raise ValueError(f"n-gram sizes need 1 <= spec_ngram_min <= spec_ngram_max, got "
                              f"{self.spec_ngram_min}, {self.spec_ngram_max}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError("attention_backend must be 'auto', 'torch' or 'triton', got "
+                             f"{self.attention_backend!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
         if self.spec_disable_batch_size < 0:
             raise ValueError("spec_disable_batch_size must be >= 0 (0: decided by cost)")
 

@@ -12,15 +12,16 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import AttentionMetadata, group_tokens_for
+from engine.attention.base import BatchLayout
 from engine.block_hash import BlockHasher
 from engine.block_pool import BlockPool, KVCacheManager
 from engine.config import EngineConfig, ModelConfig, parse_speculative
+from engine.model_runner import ModelRunner, StepInputs, StepResult
 from engine.request import Request, RequestOutput, Status, TokenLogprob
-from engine.sampler import sample
+from engine.sampler import RowSampling
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec import DraftProposer, NgramProposer, Proposal, SpecController, verify
-from engine.weights import load_model
+from engine.spec.verify import accept_greedy
 
 log = logging.getLogger(__name__)
 
@@ -62,23 +63,20 @@ class StepStats:
 
 
 class Engine:
-    def __init__(self, model_dir: str | Path, cfg: EngineConfig,
+    """Orchestration: requests in, outputs out. Owns the scheduler (and through it the KV cache
+    manager and block pool), speculation, and a ModelRunner that does the device work."""
+
+    def __init__(self, model_dir: str | Path | None, cfg: EngineConfig,
                  model_cfg: ModelConfig | None = None, model: torch.nn.Module | None = None,
-                 draft_model: torch.nn.Module | None = None):
+                 draft_model: torch.nn.Module | None = None, random_weights: bool = False):
         self.model_cfg = model_cfg or ModelConfig.from_dir(model_dir)
-        if cfg.num_blocks <= 0:
-            raise ValueError("EngineConfig.num_blocks must be resolved before building an Engine")
         if cfg.max_model_len == 0:
             cfg = replace(cfg, max_model_len=self.model_cfg.max_position_embeddings)
-        self.cfg = cfg
         self.device = torch.device(cfg.device)
-        self.model = model or load_model(model_dir, cfg.torch_dtype, cfg.device, self.model_cfg,
-                                           round_to=cfg.weight_dtype)
+        self.runner = ModelRunner(model_dir, self.model_cfg, cfg, model, random_weights)
+        cfg = replace(cfg, num_blocks=self.runner.num_blocks)
+        self.cfg = cfg
         m = self.model_cfg
-        # kv[layer, k_or_v, block, slot, kv_head, head_dim]; see engine.block_pool for the picture
-        self.kv = torch.zeros(m.num_layers, 2, cfg.num_blocks, cfg.block_size, m.num_kv_heads,
-                              m.head_dim, dtype=cfg.torch_dtype, device=self.device)
-        self._group_tokens = group_tokens_for(self.kv)
         self.layout = KVLayout(cfg.compute_dtype, cfg.block_size, m.num_layers, m.num_kv_heads, m.head_dim)
         self.pool = BlockPool(cfg.num_blocks)
         hasher = BlockHasher(cfg.block_size, cfg.hash_seed) if cfg.enable_prefix_caching else None
@@ -100,6 +98,15 @@ class Engine:
                                      model=draft_model)
         return proposer, SpecController(self.cfg.num_speculative_tokens,
                                         self.cfg.spec_disable_batch_size)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.runner.model
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """kv[layer, k_or_v, block, slot, kv_head, head_dim]; see engine.block_pool."""
+        return self.runner.kv
 
     # ------------------------------------------------------------------ requests
     def check_fits(self, req: Request) -> None:
@@ -164,18 +171,20 @@ class Engine:
         prompt = sum(min(s.num_new_tokens, max(s.request.num_prompt_tokens
                                                - s.request.num_computed_tokens, 0))
                      for s in sched.scheduled)
-        input_ids, positions, meta, sample_rows = self._prepare(sched)
+        inputs = self._prepare(sched)
         t_fwd = time.perf_counter()
-        with torch.inference_mode():
-            hidden = self.model(input_ids, positions, self.kv, meta)          # [T, hidden]
-            logits = self.model.compute_logits(hidden[sample_rows])           # [S, vocab]
-        tokens, logprobs = self._sample(sched, logits)
+        tokens, logprobs = self._tokens(sched, self.runner.execute(inputs))
         t_done = time.perf_counter()
         self.stats.steps += 1
         self.stats.tokens += sched.num_tokens
         spec = [(s, len(t) - 1) for s, t in zip((s for s in sched.scheduled if s.sample), tokens)
                 if s.num_spec]
         outputs = self.scheduler.update(sched, tokens, logprobs)
+        if self.cfg.role == "prefill" and any(o.kv_blocks for o in outputs):
+            ready = self.runner.record_event()
+            for o in outputs:
+                if o.kv_blocks:
+                    o.kv_ready = ready
         if self.proposer is not None:
             self.spec.observe_step(sched.num_tokens, len(spec), t_done - t_fwd)
             for s, accepted in spec:
@@ -222,52 +231,52 @@ class Engine:
             r.spec_token_ids = list(p.tokens)
             self._proposals[r.request_id] = p
 
-    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor):
-        """Tokens per sampled request: plain sampling, or verification of its proposals."""
-        scheduled = [s for s in sched.scheduled if s.sample]
-        tokens: list[list[int]] = [[] for _ in scheduled]
-        logprobs: list[list] = [[] for _ in scheduled]
-        plain, rows, row = [], [], 0
-        for j, s in enumerate(scheduled):
-            req = s.request
-            if s.num_spec:
-                probs = self._proposals[req.request_id].probs
-                if probs is not None:
-                    probs = probs[:s.num_spec]
-                tokens[j], logprobs[j] = verify(logits[row:row + 1 + s.num_spec], req.params,
-                                                len(req.output_token_ids), req.spec_token_ids,
-                                                probs)
-                row += 1 + s.num_spec
+    def _tokens(self, sched: SchedulerOutput, result: StepResult):
+        """Tokens per sampled request from the step's batched sampling: its row's token, or,
+        verifying proposals, the accepted ones and the target's (greedy: from the rows'
+        argmaxes; sampled: rejection sampling over the rows' logits)."""
+        tokens: list[list[int]] = []
+        logprobs: list[list] = []
+        row = 0
+        for s in sched.scheduled:
+            if not s.sample:
+                continue
+            req, n = s.request, 1 + s.num_spec
+            if not s.num_spec:
+                tokens.append([result.tokens[row]])
+                logprobs.append([result.logprobs[row]])
+            elif req.params.greedy:
+                toks = accept_greedy(req.spec_token_ids, result.tokens[row:row + n])
+                tokens.append(toks)
+                logprobs.append(result.logprobs[row:row + len(toks)])
             else:
-                plain.append(j)
-                rows.append(row)
-                row += 1
-        if plain:
-            reqs = [scheduled[j].request for j in plain]
-            toks, lps = sample(logits[rows], [r.params for r in reqs],
-                               [len(r.output_token_ids) for r in reqs])
-            for j, t, lp in zip(plain, toks, lps):
-                tokens[j], logprobs[j] = [t], [lp]
+                probs = self._proposals[req.request_id].probs
+                toks, lps = verify(result.logits[row:row + n], req.params,
+                                   len(req.output_token_ids), req.spec_token_ids,
+                                   None if probs is None else probs[:s.num_spec])
+                tokens.append(toks)
+                logprobs.append(lps)
+            row += n
         return tokens, logprobs
 
-    def _prepare(self, sched: SchedulerOutput):
-        """Flatten the scheduled requests into the step's inputs: token ids [T], positions [T],
-        attention metadata, and the rows [S] whose logits are sampled."""
-        ids, pos, tables, starts, q_lens, sample_rows = [], [], [], [], [], []
+    def _prepare(self, sched: SchedulerOutput) -> StepInputs:
+        """Flatten the scheduled requests into the step's inputs: token ids [T], each
+        sequence's layout, and the rows [S] whose logits are sampled (the last position, and
+        each proposal's) with how each is sampled."""
+        ids, tables, starts, q_lens, sample_rows, rows = [], [], [], [], [], []
         for s in sched.scheduled:
             req = s.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
             ids.extend((req.all_token_ids + req.spec_token_ids)[start:end] if s.num_spec
                        else req.all_token_ids[start:end])
-            pos.extend(range(start, end))
             tables.append(self.kv_manager.block_table(req.request_id))
             starts.append(start)
             q_lens.append(s.num_new_tokens)
-            if s.sample:            # the last position, and each proposal's
-                sample_rows.extend(range(len(ids) - 1 - s.num_spec, len(ids)))
-        dev = self.device
-        meta = AttentionMetadata.build(tables, starts, q_lens, self.cfg.block_size, dev,
-                                       self._group_tokens)
-        return (torch.tensor(ids, dtype=torch.long, device=dev),
-                torch.tensor(pos, dtype=torch.long, device=dev), meta,
-                torch.tensor(sample_rows, dtype=torch.long, device=dev))
+            if s.sample:
+                first = len(ids) - 1 - s.num_spec
+                sample_rows.extend(range(first, len(ids)))
+                index = len(req.output_token_ids)
+                plain = not s.num_spec
+                rows.extend(RowSampling(req.params, index + j, plain)
+                            for j in range(1 + s.num_spec))
+        return StepInputs(ids, BatchLayout(tables, starts, q_lens), sample_rows, rows)

@@ -115,6 +115,10 @@ class RequestOutput:
     # the rest, the partial last block too). Each carries one extra reference for the transfer,
     # which the receiver of this output gives back (Engine.unpin) once the blocks are sent.
     kv_blocks: list[int] | None = None
+    # With kv_blocks on a GPU: an event (torch.cuda.Event: query(), synchronize()) recorded after
+    # the step that wrote them; their KV is final once it has completed on the device. None when
+    # it is final already (CPUs). Stream-ordered copies need not wait; one-sided writes must.
+    kv_ready: object | None = None
 
     @property
     def finished(self) -> bool:

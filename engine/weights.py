@@ -1,4 +1,12 @@
-"""Build a model from an HF folder: config.json + *.safetensors."""
+"""Build a model from an HF folder (config.json + *.safetensors), or with random weights.
+
+The model is constructed on the meta device, its parameters are then allocated on the target
+device and filled tensor by tensor: each checkpoint tensor goes to the module that owns its
+parameter, whose `weight_loader(param, tensor, shard)` decides where it lands (the shard of a
+merged q/k/v or gate/up projection, later a tensor-parallel slice). Every parameter must be
+filled completely; then each layer's method prepares its weights once
+(`process_weights_after_loading`: the CPU kernels' packed layouts).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +14,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from engine.config import ModelConfig
-from engine.linear import prepack_linears
+from engine.layers import LayerOptions
 from engine.models import model_class
 
 
@@ -21,56 +30,97 @@ def _target(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | N
     return name, None
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: str = "cpu",
-               cfg: ModelConfig | None = None, pack: bool = True,
-               round_to: torch.dtype | None = None) -> torch.nn.Module:
-    """Construct on the meta device, then fill parameters from the safetensors files.
+def build_empty(cfg: ModelConfig, opts: LayerOptions, dtype: torch.dtype,
+                device: str | torch.device) -> nn.Module:
+    """The model with uninitialized parameters of `dtype` on `device` (built on meta first)."""
+    cls = model_class(cfg.family)
+    with torch.device("meta"):
+        model = cls(cfg, opts).to(dtype)
+    model.to_empty(device=device)
+    model.init_buffers(device)   # non-persistent buffers were built on the meta device
+    return model
 
-    Checkpoint shards of a packed parameter (q/k/v -> qkv_proj, gate/up -> gate_up_proj) are
-    copied into consecutive row ranges, in shard order. Every parameter must be filled completely
-    (a tied lm_head may be absent); a checkpoint tensor with no parameter is an error, except
-    rotary caches some exporters add. With `round_to` (a narrower dtype than `dtype`), weights
-    are rounded to it first: a bf16 model computed in fp32. With `pack`, linear layers get the CPU fast path of
-    engine.linear where it applies.
-    """
+
+def finish(model: nn.Module) -> nn.Module:
+    """Tie weights and let every layer prepare its loaded weights."""
+    model.tie_weights()
+    for m in model.modules():
+        if hasattr(m, "process_weights_after_loading"):
+            m.process_weights_after_loading()
+    return model.eval()
+
+
+def _loader(model: nn.Module, name: str):
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    loader = getattr(module, "weight_loader", None)
+    param = getattr(module, attr)
+    if loader is None:
+        def loader(p, loaded, shard=None):
+            if shard is not None or loaded.shape != p.shape:
+                raise ValueError(f"checkpoint gives {tuple(loaded.shape)}, model expects "
+                                 f"{tuple(p.shape)}")
+            p.data.copy_(loaded)
+    return param, loader
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device,
+               cfg: ModelConfig, opts: LayerOptions,
+               round_to: torch.dtype | None = None) -> nn.Module:
+    """A model from `model_dir` computing in `dtype` on `device`. With `round_to` (a narrower
+    dtype than `dtype`), weights are rounded to it first: a bf16 model computed in fp32. A tied
+    lm_head may be absent from the checkpoint; a checkpoint tensor with no parameter is an
+    error, except rotary caches some exporters add."""
     d = Path(model_dir)
-    cfg = cfg or ModelConfig.from_dir(d)
     files = sorted(d.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {d}")
-    cls = model_class(cfg.family)
-    with torch.device("meta"):
-        model = cls(cfg)
-    packed = getattr(cls, "PACKED", {})
-    metas = dict(model.named_parameters())
-    state = {n: torch.empty(p.shape, dtype=dtype, device=device) for n, p in metas.items()}
-    shards: dict[str, dict[int, torch.Tensor]] = {}
+    model = build_empty(cfg, opts, dtype, device)
+    packed = getattr(type(model), "PACKED", {})
+    params = dict(model.named_parameters())
+    tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    filled: dict[str, set[int | None]] = {}
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as st:
             for name in st.keys():
                 if name.endswith("rotary_emb.inv_freq"):
                     continue
                 target, shard = _target(name, packed)
-                if target not in state:
+                if target in tied:
+                    continue
+                if target not in params:
                     raise ValueError(f"{f.name}: unexpected tensor {name!r} for {cfg.family}")
-                shards.setdefault(target, {})[0 if shard is None else shard] = st.get_tensor(name)
-    tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    for target, parts in shards.items():
-        if target in tied:
-            continue
-        full = torch.cat([parts[i] for i in sorted(parts)], dim=0)
-        if full.shape != state[target].shape:
-            raise ValueError(f"{target}: checkpoint gives {tuple(full.shape)}, model expects "
-                             f"{tuple(state[target].shape)} (missing shards?)")
-        state[target].copy_(full if round_to is None else full.to(round_to))
-    missing = set(state) - set(shards) - tied
+                tensor = st.get_tensor(name)
+                if round_to is not None:
+                    tensor = tensor.to(round_to)
+                param, loader = _loader(model, target)
+                try:
+                    loader(param, tensor.to(device=param.device, dtype=param.dtype), shard)
+                except ValueError as exc:
+                    raise ValueError(f"{target}: {exc}") from None
+                filled.setdefault(target, set()).add(shard)
+    for name, shards in filled.items():
+        module = model.get_submodule(name.rpartition(".")[0])
+        want = len(getattr(module, "output_sizes", [None])) if None not in shards else 1
+        if len(shards) != want:
+            raise ValueError(f"{name}: {len(shards)} of {want} shards in the checkpoint "
+                             "(missing shards?)")
+    missing = set(params) - set(filled) - tied
     if missing:
         raise ValueError(f"checkpoint in {d} lacks {sorted(missing)[:5]}")
-    for name in tied:
-        state.pop(name, None)
-    model.load_state_dict(state, strict=False, assign=True)
-    model.init_buffers(device)   # non-persistent buffers were built on the meta device
-    model.tie_weights()
-    if pack:
-        prepack_linears(model, torch.device(device), dtype)
-    return model.eval()
+    return finish(model)
+
+
+def random_model(cfg: ModelConfig, opts: LayerOptions, dtype: torch.dtype,
+                 device: str | torch.device, seed: int = 0, std: float = 0.02) -> nn.Module:
+    """A model with random weights (normal(0, std); norms 1): shapes of a real model without
+    its files, for benchmarks and device checks."""
+    model = build_empty(cfg, opts, dtype, device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=gen)
+    return finish(model)

@@ -1,6 +1,13 @@
-"""Triton kernels, each beside a pure-torch reference (paged attention, KV store, norms, rotary).
+"""Kernels, each beside a pure-torch reference that its tests compare it against.
 
-The engine runs on its torch references today (engine/attention.py); kernels land here with a
-test against their reference. Note: this package shares its name with an unrelated PyPI package
-that transformers probes for; tests/test_layout.py checks transformers does not pick ours up.
+Triton (GPU; on CPU tensors under TRITON_INTERPRET=1, as tests/test_triton_kernels.py runs them):
+  triton_attention  - paged attention of a ragged batch (prompt chunks, decodes, verification) in
+                      one launch per layer, host-planned tiles, optional split-KV with a merge;
+  triton_kv_store   - the step's new K/V into their cache slots, fused with rotary on k and q;
+  triton_norm       - RMSNorm, optionally fused with the residual add;
+  triton_activation - SiLU-and-mul of a fused gate/up projection.
+C++ (CPU): cpu_linear (csrc/cpu_linear.cpp).
+
+Note: this package shares its name with an unrelated PyPI package that transformers probes for;
+tests/test_layout.py checks transformers does not pick ours up.
 """

@@ -1,15 +1,22 @@
 """The KV transfer contract.
 
 Sender side (prefill): `stream = sender.open(request_id, kv, target)` starts one request's
-transfer into the decode worker's reserved blocks; `await stream.send(src_blocks, dst_blocks)`
-moves blocks of the pool tensor `kv[layer, k_or_v, block, ...]` as soon as their KV is final (one
-call per prefill chunk, so the transfer overlaps the computation of the next chunk); it may return
-before the bytes have moved, so the caller keeps every sent source block unchanged (pinned) until
-`finish` or `abort` returns; `await stream.finish(first_token,
-first_logprob, src_blocks, dst_blocks)` sends the last blocks, waits until the receiver has every
-block and delivers the first token;
-`await stream.abort()` gives up. Blocks the decode worker already holds (`target.num_cached_blocks`,
-its prefix cache) are never sent. Failures raise KVTransferError.
+transfer into the decode worker's reserved blocks; `await stream.send(src_blocks, dst_blocks,
+ready)` moves blocks of the pool tensor `kv[layer, k_or_v, block, ...]` as soon as their KV is
+final (one call per prefill chunk, so the transfer overlaps the computation of the next chunk); it
+may return before the bytes have moved, so the caller keeps every sent source block unchanged
+(pinned) until `finish` or `abort` returns; `await stream.finish(first_token, first_logprob,
+src_blocks, dst_blocks, ready)` sends the last blocks, waits until the receiver has every block
+and delivers the first token; `await stream.abort()` gives up. Blocks the decode worker already
+holds (`target.num_cached_blocks`, its prefix cache) are never sent. Failures raise
+KVTransferError.
+
+ready: blocks' KV is final once this device event has completed; None: final already. It is the
+engine's `RequestOutput.kv_ready` (a torch.cuda.Event recorded after the step that wrote the
+blocks: `query()`, `synchronize()`). A transport that reads the blocks on the stream the engine
+computes on (the device's default stream) is ordered behind that step and may ignore it; one that
+reads them outside that stream (a one-sided WRITE) must not start before `ready.query()` is True,
+and waits for it without blocking the event loop (`poll_until`) and without a device-wide sync.
 
 Receiver side (decode): a KVReceiver lands arriving blocks through a `KVSink`, which the decode
 service implements: it knows which blocks each request reserved, writes into its pool, and is told
@@ -22,9 +29,11 @@ moves, and refuse a mismatch with a message naming the differing fields.
 from __future__ import annotations
 
 import abc
+import asyncio
 import importlib
+import time
 from dataclasses import asdict, dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -47,6 +56,20 @@ def check_layout(ours: KVLayout, theirs: KVLayout) -> None:
         diff = ", ".join(f"{k}: ours {a[k]} vs theirs {b[k]}" for k in a if a[k] != b[k])
         raise LayoutMismatch(f"KV layout mismatch ({diff}); start both workers with the same "
                              "model, --dtype and --block-size")
+
+
+async def poll_until(done: Callable[[], bool], timeout_s: float, what: Callable[[], str],
+                     first_s: float = 0.0002, max_s: float = 0.005) -> None:
+    """Return once `done()` is true, asking now and then after pauses doubling from `first_s` to
+    `max_s` (polling takes the GIL from the engine thread: back off); never blocks the loop.
+    KVTransferError(`what()` + " within ... s") once `timeout_s` has passed."""
+    deadline = time.monotonic() + timeout_s
+    pause = first_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise KVTransferError(f"{what()} within {timeout_s:g} s")
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, max_s)
 
 
 def block_bytes(layout: KVLayout) -> int:
@@ -84,7 +107,9 @@ class KVSink(Protocol):
         """Whether some request is waiting for its KV now."""
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """data: [num_layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
+        """data: [num_layers, 2, len(block_ids), block_size, kv_heads, head_dim], on the host
+        (built from message bytes) or on the pool's device (an NCCL receive). Called off the
+        event loop; may return once the copies are queued on the device's current stream."""
 
     @property
     def pool(self) -> torch.Tensor:
@@ -96,14 +121,20 @@ class KVSink(Protocol):
 
 
 class KVSendStream(abc.ABC):
-    """One request's transfer, prefill side. Calls come from one task, in order."""
+    """One request's transfer, prefill side. Calls come from one task, in order.
+
+    ready: blocks' KV is final once this device event has completed; None: final already (see
+    the module's docstring for who may ignore it)."""
 
     @abc.abstractmethod
-    async def send(self, src_blocks: list[int], dst_blocks: list[int]) -> None: ...
+    async def send(self, src_blocks: list[int], dst_blocks: list[int],
+                   ready: object | None = None) -> None:
+        """Start moving src_blocks into dst_blocks (pairwise); may return before they moved."""
 
     @abc.abstractmethod
     async def finish(self, first_token: int, first_logprob: TokenLogprob | None,
-                     src_blocks: list[int] = (), dst_blocks: list[int] = ()) -> None:
+                     src_blocks: list[int] = (), dst_blocks: list[int] = (),
+                     ready: object | None = None) -> None:
         """Send the last blocks (if any) and the first token; wait until the receiver has all."""
 
     async def abort(self) -> None:
@@ -119,14 +150,16 @@ class KVSender(abc.ABC):
 
     async def send(self, request_id: str, kv: torch.Tensor, src_blocks: list[int],
                    target: TransferTarget, first_token: int,
-                   first_logprob: TokenLogprob | None) -> None:
-        """The whole transfer at once: `src_blocks` pair with `target.missing`."""
+                   first_logprob: TokenLogprob | None, ready: object | None = None) -> None:
+        """The whole transfer at once: `src_blocks` pair with `target.missing`; `ready` as in
+        KVSendStream."""
         if len(src_blocks) != len(target.missing):
             raise KVTransferError(f"request {request_id}: {len(src_blocks)} source blocks for "
                                   f"{len(target.missing)} destination blocks")
         stream = self.open(request_id, kv, target)
         try:
-            await stream.finish(first_token, first_logprob, src_blocks, list(target.missing))
+            await stream.finish(first_token, first_logprob, src_blocks, list(target.missing),
+                                ready)
         except BaseException:
             await stream.abort()
             raise

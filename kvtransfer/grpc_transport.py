@@ -4,6 +4,11 @@ Each message carries up to `blocks_per_message` blocks of every layer, so memory
 for long prompts; messages go out as the prefill worker's chunks finish, and the last one carries
 the first token. The decode worker serves PushKV on its
 ordinary gRPC port, so the receiver's address is the worker's address.
+
+Blocks cross the host on both sides through kvtransfer.staging: the sender gathers them on its
+pool's device into a reusable (on CUDA page-locked) buffer and sends its bytes; the decode
+service's sink copies them back to its device the same way. The gather runs on the stream the
+engine computes on, behind the step that wrote the blocks, so `ready` events are not waited for.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ from engine.engine import KVLayout
 from engine.request import TokenLogprob
 from kvtransfer.base import (KVReceiver, KVSender, KVSendStream, KVSink, KVTransferError,
                              LayoutMismatch, TransferTarget, check_layout)
+from kvtransfer.staging import HostStaging
 from kvtransfer.wire import (completion_chunk, first_logprob_of, layout_from_pb, layout_to_pb,
-                             tensor_from_bytes, tensor_to_bytes)
+                             tensor_from_bytes)
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
@@ -38,6 +44,7 @@ class _GrpcSendStream(KVSendStream):
         self.kv = kv
         self.target = target
         self.step = sender.blocks_per_message
+        self.staging = sender.staging(kv.device)
         self.sender_layout = sender.layout
         self.layout = layout_to_pb(sender.layout)
         self._out: asyncio.Queue = asyncio.Queue()
@@ -61,17 +68,20 @@ class _GrpcSendStream(KVSendStream):
         if self._result.done():
             self._result.result()           # raises the call's error
 
-    async def send(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
+    async def send(self, src_blocks: list[int], dst_blocks: list[int],
+                   ready: object | None = None) -> None:
+        """Queues the blocks' bytes, copied to the host off the loop thread. `ready` is not
+        waited for: the copy is ordered behind the step on the engine's stream."""
         self._failed()
         for i in range(0, len(src_blocks), self.step):
-            src = torch.tensor(src_blocks[i:i + self.step], dtype=torch.long)
-            # [layers, 2, len(src), block_size, kv_heads, head_dim], gathered off the loop thread
-            data = await asyncio.to_thread(lambda: tensor_to_bytes(self.kv[:, :, src]))
+            src = src_blocks[i:i + self.step]
+            data = await asyncio.to_thread(self.staging.blocks_to_bytes, self.kv, src)
             self._out.put_nowait(pb.KVChunk(request_id=self.request_id, layout=self.layout,
                                             block_ids=dst_blocks[i:i + self.step], data=data))
 
     async def finish(self, first_token: int, first_logprob: TokenLogprob | None,
-                     src_blocks: list[int] = (), dst_blocks: list[int] = ()) -> None:
+                     src_blocks: list[int] = (), dst_blocks: list[int] = (),
+                     ready: object | None = None) -> None:
         if src_blocks:
             await self.send(list(src_blocks), list(dst_blocks))
         self._out.put_nowait(completion_chunk(self.request_id, self.sender_layout, first_token,
@@ -95,7 +105,11 @@ class GrpcKVSender(KVSender):
 
     def __init__(self, layout: KVLayout, kv: torch.Tensor | None = None,
                  blocks_per_message: int = 16, timeout_s: float = 600.0) -> None:
+        """kv: the pool blocks will be sent from (its device picks the staging memory)."""
         self.layout = layout
+        self._staging: dict[torch.device, HostStaging] = {}
+        if kv is not None:
+            self.staging(kv.device)
         self.blocks_per_message = blocks_per_message
         self.timeout_s = timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -105,6 +119,12 @@ class GrpcKVSender(KVSender):
         if ch is None:
             ch = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         return pb_grpc.DecodeWorkerStub(ch)
+
+    def staging(self, device: torch.device) -> HostStaging:
+        """The staging of pools on `device` (one per device, reused by every stream)."""
+        if device not in self._staging:
+            self._staging[device] = HostStaging(device)
+        return self._staging[device]
 
     def open(self, request_id: str, kv: torch.Tensor, target: TransferTarget) -> KVSendStream:
         check_layout(self.layout, target.layout)

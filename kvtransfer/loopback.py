@@ -14,16 +14,21 @@ from engine.config import DTYPES
 from engine.engine import KVLayout
 from engine.request import TokenLogprob
 from kvtransfer.base import KVReceiver, create_receiver
+from kvtransfer.staging import HostStaging
 from proto import pdserve_pb2_grpc as pb_grpc
 
 
 class MemorySink:
-    """Reservations and a pool of `num_blocks` blocks; `completed` records first tokens."""
+    """Reservations and a pool of `num_blocks` blocks on `device`; `completed` records first
+    tokens. Writes go through HostStaging, as the decode service's do."""
 
-    def __init__(self, layout: KVLayout, num_blocks: int) -> None:
+    def __init__(self, layout: KVLayout, num_blocks: int,
+                 device: torch.device | str = "cpu") -> None:
         self.layout = layout
         self.kv = torch.zeros(layout.num_layers, 2, num_blocks, layout.block_size,
-                              layout.num_kv_heads, layout.head_dim, dtype=DTYPES[layout.dtype])
+                              layout.num_kv_heads, layout.head_dim, dtype=DTYPES[layout.dtype],
+                              device=device)
+        self.staging = HostStaging(self.kv.device)
         self.reservations: dict[str, list[int]] = {}
         self.completed: dict[str, tuple[int, TokenLogprob | None]] = {}
         self.completed_at: dict[str, float] = {}     # time.monotonic(), comparable across processes
@@ -40,7 +45,7 @@ class MemorySink:
         return bool(self.reservations)
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        self.kv[:, :, torch.tensor(block_ids)] = data
+        self.staging.write_blocks(self.kv, block_ids, data)
 
     async def complete(self, request_id: str, first_token: int,
                        first_logprob: TokenLogprob | None) -> None:

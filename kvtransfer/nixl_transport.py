@@ -16,6 +16,11 @@ Progress: with NIXL's progress thread off (the default here: it spins a core) bo
 by polling: the sender while it waits for its WRITEs, the receiver from an asyncio task that reads
 notifications (quickly while reservations are open, slowly when idle). CPU memory is "DRAM", CUDA
 memory "VRAM"; the code is the same.
+
+A WRITE reads the source blocks outside the stream the engine computes on, so it is posted only
+once the step that wrote them has completed on the device: the sender polls the step's `ready`
+event (`query()`, backing off like its other waits) before posting; with `ready` None (CPUs) it
+posts at once.
 """
 
 from __future__ import annotations
@@ -31,15 +36,16 @@ import torch
 from engine.engine import KVLayout
 from engine.request import TokenLogprob
 from kvtransfer.base import (KVReceiver, KVSender, KVSendStream, KVSink, KVTransferError,
-                             TransferTarget, check_layout)
+                             TransferTarget, check_layout, poll_until)
 from kvtransfer.wire import chunk_from_bytes, completion_to_bytes, first_logprob_of, layout_from_pb
 from proto import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-# Polling takes the GIL from the engine thread: back off. The sender waits for its WRITEs
-# starting at _POLL_MIN_S, doubling to _POLL_MAX_S; the receiver reads notifications every
-# _POLL_BUSY_S while reservations are open, every _POLL_IDLE_S otherwise.
+# Polling takes the GIL from the engine thread: back off. The sender waits for its WRITEs and
+# for the step's ready event starting at _POLL_MIN_S, doubling to _POLL_MAX_S; the receiver
+# reads notifications every _POLL_BUSY_S while reservations are open, every _POLL_IDLE_S
+# otherwise.
 _POLL_MIN_S = 0.0002
 _POLL_MAX_S = 0.005
 _POLL_BUSY_S = 0.002
@@ -138,31 +144,38 @@ class _NixlSendStream(KVSendStream):
 
     async def _wait(self) -> None:
         """Until every WRITE so far is done."""
-        deadline = time.monotonic() + self.sender.timeout_s
-        pause = _POLL_MIN_S
-        while True:
+        def done() -> bool:
             self._reap()
-            if not self._handles:
-                return
-            if time.monotonic() > deadline:
-                raise KVTransferError(f"NIXL write to {self.target.engine_id} did not complete "
-                                      f"within {self.sender.timeout_s:g} s")
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, _POLL_MAX_S)
+            return not self._handles
+        await poll_until(done, self.sender.timeout_s,
+                         lambda: f"NIXL write to {self.target.engine_id} did not complete",
+                         _POLL_MIN_S, _POLL_MAX_S)
 
-    async def send(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
-        """Posts the WRITE and returns: the copy runs while the next chunk computes. The
-        source blocks must stay unchanged until finish() or abort() returns."""
+    async def _ready(self, ready) -> None:
+        """Until the device has completed the step that wrote the blocks (None: it has)."""
+        if ready is not None:
+            await poll_until(ready.query, self.sender.timeout_s,
+                             lambda: f"request {self.request_id}: the KV of the prefill step "
+                                     "was not final on the device", _POLL_MIN_S, _POLL_MAX_S)
+
+    async def send(self, src_blocks: list[int], dst_blocks: list[int],
+                   ready: object | None = None) -> None:
+        """Posts the WRITE once `ready` has completed, and returns: the copy runs while the next
+        chunk computes. The source blocks must stay unchanged until finish() or abort()
+        returns."""
         self._reap()
+        await self._ready(ready)
         self._post(list(src_blocks), list(dst_blocks))
 
     async def finish(self, first_token: int, first_logprob: TokenLogprob | None,
-                     src_blocks: list[int] = (), dst_blocks: list[int] = ()) -> None:
+                     src_blocks: list[int] = (), dst_blocks: list[int] = (),
+                     ready: object | None = None) -> None:
         done = completion_to_bytes(self.request_id, self.sender.layout, first_token,
                                    first_logprob)
         if src_blocks:
             # The notification travels with the last WRITE: NIXL sends it once the endpoint
             # is flushed, so after the data of this WRITE and of every earlier one.
+            await self._ready(ready)
             self._post(list(src_blocks), list(dst_blocks), done)
             await self._wait()
         else:

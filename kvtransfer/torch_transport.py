@@ -15,6 +15,15 @@ out from one thread, in order; messages of several requests interleave whole. Th
 every message against the request's reservation before writing (two-sided: a late message of an
 aborted request is dropped). A sender that closes says goodbye (a header of -1), which ends the
 receiving thread.
+
+Devices (`MessageTensors`): every tensor of a message lives on the pool's device (NCCL moves
+only device memory; gloo pools are on the CPU), receive buffers too; header and meta are read
+back to the host after their receive. The blocks are gathered on the stream the engine computes
+on, behind the step that wrote them (NCCL's stream waits for it), so `ready` events are not
+waited for. Completion differs by backend: a gloo `wait()` returns once the bytes are out; an
+NCCL `wait()` only makes the current stream (the engine's) wait, so the sender never calls it
+while sending (the transfer would stall the engine's next steps) and `finish` instead polls the
+last send's `is_completed()` (NCCL orders one peer's sends on one stream) before it returns.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import logging
 import os
 import socket
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -35,13 +45,15 @@ from engine.config import DTYPES
 from engine.engine import KVLayout
 from engine.request import TokenLogprob
 from kvtransfer.base import (KVReceiver, KVSender, KVSendStream, KVSink, KVTransferError,
-                             TransferTarget, check_layout)
+                             TransferTarget, check_layout, poll_until)
+from kvtransfer.staging import host_to_device
 from kvtransfer.wire import completion_chunk, first_logprob_of, layout_from_pb, layout_to_pb
 from proto import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 HEADER = 2          # int64s: meta length, number of blocks
+MAX_META = 1 << 20  # bytes of one message's meta a receiver accepts
 
 
 def _client(address: str, timeout_s: float) -> dist.TCPStore:
@@ -49,6 +61,12 @@ def _client(address: str, timeout_s: float) -> dist.TCPStore:
     host, port = address.rsplit(":", 1)
     return dist.TCPStore(host, int(port), is_master=False,
                          timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _use_device(device: torch.device) -> None:
+    """On a channel's thread: NCCL creates its communicator on the thread's current device."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def _group(store, channel: str, rank: int, device: torch.device, timeout_s: float):
@@ -59,16 +77,63 @@ def _group(store, channel: str, rank: int, device: torch.device, timeout_s: floa
     return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
 
 
+class MessageTensors:
+    """The tensors of channel messages for pools of `layout` on `device`: what a sender sends and
+    what a receiver receives into, all on `device`."""
+
+    def __init__(self, layout: KVLayout, device: torch.device) -> None:
+        self.layout = layout
+        self.device = torch.device(device)
+
+    def outgoing(self, meta: bytes, kv: torch.Tensor, src_blocks: list[int]) -> list[torch.Tensor]:
+        """[header, meta bytes] and, with src_blocks, kv[:, :, src_blocks] gathered on the device
+        (kv: the pool, on `device`)."""
+        n = len(src_blocks)
+        out = [host_to_device(torch.tensor([len(meta), n], dtype=torch.int64), self.device),
+               host_to_device(torch.frombuffer(bytearray(meta), dtype=torch.uint8), self.device)]
+        if n:
+            index = host_to_device(torch.tensor(src_blocks, dtype=torch.long), kv.device)
+            out.append(kv.index_select(2, index))  # [layers, 2, n, block_size, heads, head_dim]
+        return out
+
+    def goodbye(self) -> torch.Tensor:
+        return host_to_device(torch.tensor([-1, 0], dtype=torch.int64), self.device)
+
+    def header(self) -> torch.Tensor:
+        return torch.empty(HEADER, dtype=torch.int64, device=self.device)
+
+    def meta(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def data(self, num_blocks: int) -> torch.Tensor:
+        lay = self.layout
+        return torch.empty((lay.num_layers, 2, num_blocks, lay.block_size, lay.num_kv_heads,
+                            lay.head_dim), dtype=DTYPES[lay.dtype], device=self.device)
+
+    @staticmethod
+    def read_header(header: torch.Tensor) -> tuple[int, int]:
+        """(meta bytes, blocks), on the host once the header's receive has completed."""
+        meta_len, n = header.tolist()
+        return meta_len, n
+
+    @staticmethod
+    def read_meta(meta: torch.Tensor) -> bytes:
+        return meta.cpu().numpy().tobytes()
+
+
 class _Channel:
     """Prefill side of one pair group: a single thread sends, so messages stay whole."""
 
-    def __init__(self, address: str, sender_id: str, device: torch.device, timeout_s: float):
+    def __init__(self, address: str, sender_id: str, layout: KVLayout, device: torch.device,
+                 timeout_s: float):
         self.address = address
         self.sender_id = sender_id
         self.device = device
+        self.tensors = MessageTensors(layout, device)
         self.timeout_s = timeout_s
         self.group = None
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-send")
+        self.pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="kv-send", initializer=_use_device, initargs=(device,))
         self.broken: Exception | None = None
 
     def _connect(self) -> None:
@@ -79,29 +144,45 @@ class _Channel:
         self.store.set(f"channel/{n}", channel)
         self.group = _group(self.store, channel, 0, self.device, self.timeout_s)
 
+    def _settle(self, work) -> None:
+        """gloo: wait until the bytes are out. NCCL: nothing (see the module's docstring)."""
+        if self.device.type != "cuda":
+            work.wait()
+
+    def check(self, work) -> None:
+        """Raise the error of a completed send, if any (gloo's was raised by _settle; a second
+        gloo wait() would wait for another send)."""
+        if self.device.type == "cuda":
+            work.wait()
+
     def close(self) -> None:
         """Tell the receiver this channel ends (its thread returns), on the channel's thread."""
         def goodbye():
             if self.group is not None and self.broken is None:
-                self.group.send([torch.tensor([-1, 0], dtype=torch.int64)], 1, 0).wait()
+                work = self.group.send([self.tensors.goodbye()], 1, 0)
+                work.wait()
+                deadline = time.monotonic() + self.timeout_s
+                while not work.is_completed() and time.monotonic() < deadline:
+                    time.sleep(0.001)                # NCCL: wait() did not block
         try:
             self.pool.submit(goodbye).result(timeout=self.timeout_s)
         except Exception:
             pass
         self.pool.shutdown(wait=False)
 
-    def send(self, meta: bytes, data: torch.Tensor | None) -> None:
+    def send(self, meta: bytes, kv: torch.Tensor, src_blocks: list[int]):
+        """One message, on the channel's thread; -> the work of its last send."""
         if self.group is None:
             self._connect()
-        n = 0 if data is None else data.shape[2]
-        header = torch.tensor([len(meta), n], dtype=torch.int64)
-        self.group.send([header], 1, 0).wait()
-        self.group.send([torch.frombuffer(bytearray(meta), dtype=torch.uint8)], 1, 0).wait()
-        if data is not None:
-            self.group.send([data], 1, 0).wait()
+        for tensor in self.tensors.outgoing(meta, kv, src_blocks):
+            work = self.group.send([tensor], 1, 0)
+            self._settle(work)
+        return work
 
 
 class _TorchSendStream(KVSendStream):
+    """`ready` is not waited for: the gather is ordered behind the step on the engine's stream."""
+
     def __init__(self, sender: "TorchKVSender", channel: _Channel, request_id: str,
                  kv: torch.Tensor, target: TransferTarget) -> None:
         self.sender = sender
@@ -109,38 +190,52 @@ class _TorchSendStream(KVSendStream):
         self.request_id = request_id
         self.kv = kv
         self.target = target
+        self._last = None                  # the work of the last send
 
     async def _message(self, msg: pb.KVChunk, src_blocks: list[int]) -> None:
         ch = self.channel
         if ch.broken is not None:
             raise KVTransferError(f"torch.distributed channel to {ch.address} is broken: "
                                   f"{ch.broken}")
-
-        def run():
-            data = None
-            if src_blocks:
-                index = torch.tensor(src_blocks, dtype=torch.long, device=self.kv.device)
-                data = self.kv.index_select(2, index)
-            ch.send(msg.SerializeToString(), data)
         try:
-            await asyncio.get_running_loop().run_in_executor(ch.pool, run)
+            self._last = await asyncio.get_running_loop().run_in_executor(
+                ch.pool, ch.send, msg.SerializeToString(), self.kv, src_blocks)
         except Exception as exc:
-            ch.broken = exc
-            self.sender.drop(ch)
-            raise KVTransferError(f"torch.distributed send to {ch.address} failed: {exc}") from exc
+            raise self._broken(exc) from exc
+
+    def _broken(self, exc: Exception) -> KVTransferError:
+        """Retire the channel after `exc`; -> the error to raise."""
+        ch = self.channel
+        ch.broken = exc
+        self.sender.drop(ch)
+        return KVTransferError(f"torch.distributed send to {ch.address} failed: {exc}")
+
+    async def _sent(self) -> None:
+        """Until the last send has completed (on the device too)."""
+        work = self._last
+        await poll_until(work.is_completed, self.sender.timeout_s,
+                         lambda: f"torch.distributed send to {self.channel.address} did not "
+                                 "complete")
+        try:
+            self.channel.check(work)
+        except Exception as exc:
+            raise self._broken(exc) from exc
 
     def _chunk(self, dst_blocks) -> pb.KVChunk:
         return pb.KVChunk(request_id=self.request_id, layout=layout_to_pb(self.sender.layout),
                           block_ids=list(dst_blocks))
 
-    async def send(self, src_blocks: list[int], dst_blocks: list[int]) -> None:
+    async def send(self, src_blocks: list[int], dst_blocks: list[int],
+                   ready: object | None = None) -> None:
         await self._message(self._chunk(dst_blocks), list(src_blocks))
 
     async def finish(self, first_token: int, first_logprob: TokenLogprob | None,
-                     src_blocks: list[int] = (), dst_blocks: list[int] = ()) -> None:
+                     src_blocks: list[int] = (), dst_blocks: list[int] = (),
+                     ready: object | None = None) -> None:
         msg = completion_chunk(self.request_id, self.sender.layout, first_token, first_logprob,
                                dst_blocks)
         await self._message(msg, list(src_blocks))
+        await self._sent()
 
 
 class TorchKVSender(KVSender):
@@ -160,9 +255,12 @@ class TorchKVSender(KVSender):
 
     def open(self, request_id: str, kv: torch.Tensor, target: TransferTarget) -> KVSendStream:
         check_layout(self.layout, target.layout)
+        if kv.device != self.device:
+            raise KVTransferError(f"the torch sender's channels are on {self.device}, the pool "
+                                  f"on {kv.device}")
         ch = self._channels.get(target.address)
         if ch is None:
-            ch = _Channel(target.address, self.id, self.device, self.timeout_s)
+            ch = _Channel(target.address, self.id, self.layout, self.device, self.timeout_s)
             self._channels[target.address] = ch
         return _TorchSendStream(self, ch, request_id, kv, target)
 
@@ -186,6 +284,7 @@ class TorchKVReceiver(KVReceiver):
                                    timeout=datetime.timedelta(seconds=timeout_s))
         self._address = f"{host}:{self.store.port}"
         self.layout = sink.layout
+        self.tensors = MessageTensors(sink.layout, sink.pool.device)
         self._next = 0
         self._closed = threading.Event()
         self._groups: list = []
@@ -213,35 +312,46 @@ class TorchKVReceiver(KVReceiver):
             thread.start()
 
     def _receive(self, channel: str) -> None:
+        device = self.tensors.device
         try:
-            group = _group(_client(self._address, self.timeout_s), channel, 1,
-                           self.sink.pool.device, self.timeout_s)
+            _use_device(device)
+            group = _group(_client(self._address, self.timeout_s), channel, 1, device,
+                           self.timeout_s)
         except Exception:
             log.exception("torch.distributed channel %s: group setup failed", channel)
             return
         self._groups.append(group)
-        lay = self.layout
         while not self._closed.is_set():
             try:
-                header = torch.zeros(HEADER, dtype=torch.int64)
-                group.recv([header], 0, 0).wait()
-                if int(header[0]) < 0:                # the sender closed the channel
-                    return
-                meta = torch.empty(int(header[0]), dtype=torch.uint8)
-                group.recv([meta], 0, 0).wait()
-                data = None
-                if int(header[1]):
-                    data = torch.empty((lay.num_layers, 2, int(header[1]), lay.block_size,
-                                        lay.num_kv_heads, lay.head_dim), dtype=DTYPES[lay.dtype],
-                                       device=self.sink.pool.device)
-                    group.recv([data], 0, 0).wait()
+                message = self._next_message(group)
             except Exception as exc:      # the sender went away (or timed out): end the channel
                 if self._closed.is_set():
                     return
                 log.info("torch.distributed channel %s closed: %s", channel, exc)
                 return
-            chunk = pb.KVChunk.FromString(meta.numpy().tobytes())
-            asyncio.run_coroutine_threadsafe(self._land(chunk, data), self.loop).result()
+            if message is None:                       # the sender closed the channel
+                return
+            asyncio.run_coroutine_threadsafe(self._land(*message), self.loop).result()
+
+    def _next_message(self, group):
+        """-> (meta chunk, data on the pool's device or None), or None at the sender's goodbye.
+        The data's receive has completed for work queued on the current stream from now on."""
+        tensors = self.tensors
+        header = tensors.header()
+        group.recv([header], 0, 0).wait()
+        meta_len, n = tensors.read_header(header)
+        if meta_len < 0:
+            return None
+        if not 0 < meta_len <= MAX_META or not 0 <= n <= self.sink.pool.shape[2]:
+            raise KVTransferError(f"bad message header: {meta_len} meta bytes, {n} blocks")
+        meta = tensors.meta(meta_len)
+        group.recv([meta], 0, 0).wait()
+        data = None
+        if n:
+            data = tensors.data(n)
+            group.recv([data], 0, 0).wait()
+        # reading meta back syncs the current stream, which waits for the data's receive too
+        return pb.KVChunk.FromString(tensors.read_meta(meta)), data
 
     async def _land(self, chunk: pb.KVChunk, data: torch.Tensor | None) -> None:
         try:

@@ -7,6 +7,7 @@ import torch
 from engine.config import DTYPES
 from engine.engine import KVLayout
 from engine.request import TokenLogprob
+from kvtransfer import staging
 from kvtransfer.base import TransferTarget
 from proto import pdserve_pb2 as pb
 
@@ -45,16 +46,12 @@ def target_from_pb(m: pb.KVDescriptor) -> TransferTarget:
                           tuple(m.block_ids), m.num_cached_blocks, m.transport_metadata)
 
 
-def tensor_to_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
-
-
 def tensor_from_bytes(data: bytes, layout: KVLayout, num_blocks: int) -> torch.Tensor:
-    """-> [num_layers, 2, num_blocks, block_size, kv_heads, head_dim] in the layout's dtype."""
+    """-> [num_layers, 2, num_blocks, block_size, kv_heads, head_dim] in the layout's dtype, on
+    the host (the bytes of HostStaging.blocks_to_bytes)."""
     shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads,
              layout.head_dim)
-    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return flat.view(DTYPES[layout.dtype]).view(shape)
+    return staging.tensor_from_bytes(data, DTYPES[layout.dtype], shape)
 
 
 def completion_chunk(request_id: str, layout: KVLayout, first_token: int,

@@ -32,9 +32,9 @@ def _add_worker(p: argparse.ArgumentParser, role: str, port: int) -> None:
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads for this worker (0: torch's default)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="model dtype: weights are rounded to it (float32 is token-exact with "
-                        "HF fp32)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="model dtype: weights are rounded to it; auto: bfloat16 on CUDA, float32 "
+                        "elsewhere (float32 is token-exact with HF fp32)")
     p.add_argument("--compute-dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16"],
                    help="dtype of activations and the KV cache; auto: --dtype, except float32 "
@@ -42,10 +42,21 @@ def _add_worker(p: argparse.ArgumentParser, role: str, port: int) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=0,
                    help="KV blocks in the pool (0: size from --kv-cache-gib)")
-    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV pool size in GiB")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512,
-                   help="token budget of one engine step")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences in one step")
+    p.add_argument("--kv-cache-gib", type=float, default=0.0,
+                   help="KV pool size in GiB (0: on CUDA what --gpu-memory-utilization leaves "
+                        "after the weights, activations and CUDA graphs; 1 GiB on CPUs)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's memory this worker may use (weights, activations, "
+                        "CUDA graphs and the KV pool sized from what is left)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="attention (and norm/activation) kernels: torch (the CPU path and "
+                        "reference) or triton; auto: triton on CUDA, torch elsewhere")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: run decode-only steps eagerly too")
+    p.add_argument("--max-num-batched-tokens", type=int, default=0,
+                   help="token budget of one engine step (0: 2048 on CUDA, 512 elsewhere)")
+    p.add_argument("--max-num-seqs", type=int, default=0,
+                   help="most sequences in one step (0: 256 on CUDA, 64 elsewhere)")
     p.add_argument("--long-prefill-tokens", type=int, default=0,
                    help="while requests wait, one prompt chunk takes at most this many tokens of "
                         "a step (0: a quarter of --max-num-batched-tokens)")
@@ -272,8 +283,21 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill-port", type=int, default=50061, help="prefill worker gRPC port")
     up.add_argument("--decode-port", type=int, default=50071, help="decode worker gRPC port")
     up.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    up.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    up.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV pool per worker in GiB")
+    up.add_argument("--device", default="cpu",
+                    help="cpu, cuda (the prefill worker on GPU 0, the decode worker on GPU 1 when "
+                         "there are two, else both on GPU 0 sharing its memory), or "
+                         "PREFILL_DEVICE,DECODE_DEVICE (e.g. cuda:0,cuda:1)")
+    up.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="model dtype (auto: bfloat16 on CUDA, float32 elsewhere)")
+    up.add_argument("--kv-cache-gib", type=float, default=0.0,
+                    help="KV pool per worker in GiB (0: 1 GiB on CPUs; on CUDA sized from "
+                         "--gpu-memory-utilization)")
+    up.add_argument("--gpu-memory-utilization", type=float, default=0.0,
+                    help="share of its GPU's memory each worker may use (0: 0.9, or 0.45 when "
+                         "both workers share one GPU)")
+    up.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                    help="attention kernels of both workers (see `pdserve decode -h`)")
+    up.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     up.add_argument("--speculative", default="off", metavar="off|ngram|draft:PATH",
                     help="speculative decoding on the decode worker (see `pdserve decode -h`)")
     up.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",

@@ -148,15 +148,35 @@ def _common(args, model: Path) -> list[str]:
     return out
 
 
+def place_workers(device: str, num_gpus: int | None = None) -> tuple[str, str, float]:
+    """`pdserve up --device`: (prefill device, decode device, default memory share each)."""
+    if "," in device:
+        prefill, decode = (d.strip() for d in device.split(",", 1))
+        return prefill, decode, 0.45 if prefill == decode else 0.9
+    if device != "cuda":
+        return device, device, 0.9
+    if num_gpus is None:
+        import torch
+        num_gpus = torch.cuda.device_count()
+    if num_gpus >= 2:
+        return "cuda:0", "cuda:1", 0.9
+    return "cuda:0", "cuda:0", 0.45
+
+
 def _start_all(args, stack: Stack) -> tuple[Path, str]:
     model = _ensure_model(args.model)
     redis_url = args.redis_url or _start_redis(stack, args.redis_port)
     cli = [sys.executable, "-m", "pdserve.cli"]
     workers = []
-    for role, port in (("prefill", args.prefill_port), ("decode", args.decode_port)):
+    prefill_dev, decode_dev, share = place_workers(args.device)
+    for role, port, dev in (("prefill", args.prefill_port, prefill_dev),
+                            ("decode", args.decode_port, decode_dev)):
         cmd = cli + [role, *_common(args, model), "--port", str(port), "--redis-url", redis_url,
-                     "--threads", str(args.threads), "--dtype", args.dtype,
+                     "--threads", str(args.threads), "--dtype", args.dtype, "--device", dev,
                      "--kv-cache-gib", str(args.kv_cache_gib),
+                     "--gpu-memory-utilization", str(args.gpu_memory_utilization or share),
+                     "--attention-backend", args.attention_backend,
+                     *(["--enforce-eager"] if args.enforce_eager else []),
                      *([] if args.prefix_cache else ["--no-prefix-cache"]),
                      *(["--speculative", args.speculative]
                        if role == "decode" and args.speculative != "off" else [])]

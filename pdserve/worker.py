@@ -28,6 +28,14 @@ SERVER_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE),
                   ("grpc.so_reuseport", 0)]
 
 
+def resolve_device_defaults(args) -> dict:
+    """Worker flags whose default depends on the device ("auto" / 0), resolved."""
+    cuda = args.device.startswith("cuda")
+    return dict(dtype=args.dtype if args.dtype != "auto" else ("bfloat16" if cuda else "float32"),
+                max_num_batched_tokens=args.max_num_batched_tokens or (2048 if cuda else 512),
+                max_num_seqs=args.max_num_seqs or (256 if cuda else 64))
+
+
 def build_engine(args, role: str):
     """An Engine from the worker flags (see pdserve.cli)."""
     import torch
@@ -39,26 +47,34 @@ def build_engine(args, role: str):
         torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
     model_cfg = ModelConfig.from_dir(model_dir)
-    cfg = EngineConfig(role=role, dtype=args.dtype, compute_dtype=args.compute_dtype,
-                       device=args.device,
+    cfg = EngineConfig(role=role, compute_dtype=args.compute_dtype, device=args.device,
                        block_size=args.block_size, num_blocks=args.num_blocks,
-                       max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                       max_model_len=args.max_model_len,
                        long_prefill_tokens=args.long_prefill_tokens,
                        enable_prefix_caching=args.prefix_cache, hash_seed=args.hash_seed,
-                       **_spec_config(args))
-    if cfg.num_blocks == 0:
+                       attention_backend=args.attention_backend,
+                       enforce_eager=args.enforce_eager,
+                       gpu_memory_utilization=args.gpu_memory_utilization,
+                       **resolve_device_defaults(args), **_spec_config(args))
+    gib = args.kv_cache_gib or (0.0 if cfg.device.startswith("cuda") else 1.0)
+    if cfg.num_blocks == 0 and gib > 0:
         import dataclasses
-        cfg = dataclasses.replace(cfg, num_blocks=blocks_for_gib(model_cfg, cfg, args.kv_cache_gib))
+        cfg = dataclasses.replace(cfg, num_blocks=blocks_for_gib(model_cfg, cfg, gib))
     t0 = time.perf_counter()
     engine = Engine(model_dir, cfg, model_cfg)
+    cfg = engine.cfg
     if cfg.compute_dtype != cfg.dtype:
         log.warning("%s weights computed in %s: this device has no fast %s matmul "
                     "(--compute-dtype %s forces it)", cfg.dtype, cfg.compute_dtype, cfg.dtype,
                     cfg.dtype)
-    log.info("%s engine ready in %.1fs: %s, weights %s, compute %s, %d KV blocks of %d tokens, "
-             "%d threads", role, time.perf_counter() - t0, model_dir.name, cfg.dtype,
-             cfg.compute_dtype, cfg.num_blocks, cfg.block_size, torch.get_num_threads())
+    runner = engine.runner
+    log.info("%s engine ready in %.1fs: %s on %s, weights %s, compute %s, attention %s%s, "
+             "KV pool %d blocks x %d tokens = %d tokens, budget %d tokens / %d sequences a "
+             "step, %d threads", role, time.perf_counter() - t0, model_dir.name, cfg.device,
+             cfg.dtype, cfg.compute_dtype, runner.backend.name,
+             ", CUDA graphs" if runner.graphs is not None else "", cfg.num_blocks,
+             cfg.block_size, cfg.num_blocks * cfg.block_size, cfg.max_num_batched_tokens,
+             cfg.max_num_seqs, torch.get_num_threads())
     return engine, model_dir
 
 

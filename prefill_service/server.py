@@ -5,6 +5,8 @@ token and keeps its blocks; blocks of a cached prefix are reused). After every e
 completes blocks of the prompt, those blocks go to the decode worker's reserved blocks over the
 chosen transport while the next chunk computes; the first token follows the last block. Then the
 blocks are freed (hashed blocks stay cached until evicted). Cancellation or any failure frees them too.
+On a GPU each output's `kv_ready` event goes along: a transport that reads the blocks off the
+engine's stream (nixl) waits for it before reading.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                 if out.finished:
                     t1 = time.perf_counter()
                     lp = out.new_logprobs[0] if out.new_logprobs else None
-                    await stream.finish(out.new_token_ids[0], lp, src, dst)
+                    await stream.finish(out.new_token_ids[0], lp, src, dst, out.kv_ready)
                     done = True
                     t2 = time.perf_counter()
                     moved = sent - target.num_cached_blocks
@@ -99,7 +101,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                              t1 - t0, moved, target.engine_id, t2 - t1)
                     break
                 if src:
-                    await stream.send(src, dst)
+                    await stream.send(src, dst, out.kv_ready)
         except KVTransferError as exc:
             self.transfers.failed("send")
             await context.abort(grpc.StatusCode.ABORTED, str(exc))

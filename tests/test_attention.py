@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import (MAX_GROUPED_QUERY, AttentionMetadata, group_tokens_for,
+from engine.attention.torch_backend import (MAX_GROUPED_QUERY, AttentionMetadata, group_tokens_for,
                               paged_attention, store_kv)
 
 HEADS, KV_HEADS, DIM, BS = 6, 2, 8, 4

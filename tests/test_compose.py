@@ -1,11 +1,16 @@
-"""docker-compose.yml is valid and wires the stack as documented.
+"""docker-compose.yml and its GPU overrides are valid and wire the stack as documented.
 
-`docker-compose config` (the standalone 1.x tool, as Debian ships it) validates and normalizes the
-file without a Docker engine; the test is skipped only where that tool is not installed.
+`docker-compose config` (the standalone 1.x tool, as Debian ships it) validates, merges and
+normalizes the files without a Docker engine; those tests are skipped only where that tool is not
+installed. The CPU stack is `docker-compose.yml` alone; the GPU variants are
+`-f docker-compose.yml -f docker-compose.gpu.yml` (2 GPUs) and `... -f docker-compose.gpu8.yml`
+(8 GPUs, in place of docker-compose.gpu.yml).
 """
 
 from __future__ import annotations
 
+import functools
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -15,8 +20,38 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
+GPU2 = ROOT / "docker-compose.gpu.yml"
+GPU8 = ROOT / "docker-compose.gpu8.yml"
 MODEL = "/models/SmolLM2-135M-Instruct"
 REDIS_URL = "redis://redis:6379/0"
+PORTS = {"prefill": "50061", "decode": "50071"}
+BASE_SERVICES = {"redis", "model", "prefill", "decode", "gateway"}
+PDSERVE_SERVICES = ("model", "prefill", "decode", "gateway")
+
+# What every GPU worker container gets (docker-compose.gpu.yml explains each line).
+GPU_ENV = {
+    "NVIDIA_DRIVER_CAPABILITIES": "compute,utility",
+    "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+    "UCX_TLS": "cuda_ipc,cuda_copy,sm,tcp,self",
+    "UCX_PROTO_INFO": "used",
+    "NCCL_HOSTID": "pdserve-compose",
+    "NCCL_CUMEM_ENABLE": "0",
+    "NCCL_DEBUG": "WARN",
+}
+GPU_CAPS = {"IPC_LOCK", "SYS_PTRACE", "SYS_NICE"}
+CUDA_IMAGE = "pdserve:cuda"
+CUDA_BUILD_ARGS = {"TORCH_INDEX_URL": "https://pypi.org/simple"}
+# Keys a GPU override may add to a service; none of them may appear in the CPU stack.
+GPU_ONLY_KEYS = {"deploy", "ipc", "pid", "ulimits", "cap_add", "environment", "shm_size"}
+
+# The 8-GPU layout: service -> (role, GPU).
+GPU8_LAYOUT = {
+    "prefill": ("prefill", 0), "prefill-1": ("prefill", 1),
+    "prefill-2": ("prefill", 2), "prefill-3": ("prefill", 3),
+    "decode": ("decode", 4), "decode-1": ("decode", 5),
+    "decode-2": ("decode", 6), "decode-3": ("decode", 7),
+}
+GPU2_LAYOUT = {"prefill": ("prefill", 0), "decode": ("decode", 1)}
 
 
 def _flag(command: list[str], name: str) -> str:
@@ -25,19 +60,50 @@ def _flag(command: list[str], name: str) -> str:
     return command[command.index(name) + 1]
 
 
-@pytest.fixture(scope="module")
-def normalized() -> dict:
+def cpu_worker_command(role: str, advertise: str) -> list[str]:
+    return [role, "--model", MODEL, "--host", "0.0.0.0", "--port", PORTS[role],
+            "--advertise-host", advertise, "--redis-url", REDIS_URL]
+
+
+def gpu_worker_command(role: str, advertise: str, gpu: int) -> list[str]:
+    return cpu_worker_command(role, advertise) + [
+        "--device", f"cuda:{gpu}", "--dtype", "bfloat16", "--kv-transport", "nixl",
+        "--gpu-memory-utilization", "0.90"]
+
+
+@functools.lru_cache(maxsize=None)
+def _config(*files: Path) -> dict:
     exe = shutil.which("docker-compose")
     if exe is None:
         pytest.skip("docker-compose is not installed (apt-get install docker-compose)")
-    proc = subprocess.run([exe, "-f", str(COMPOSE), "config"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
+    args = [exe]
+    for f in files:
+        args += ["-f", str(f)]
+    proc = subprocess.run(args + ["config"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
     assert proc.returncode == 0, proc.stderr
     return yaml.safe_load(proc.stdout)
 
 
+@pytest.fixture(scope="module")
+def normalized() -> dict:
+    return _config(COMPOSE)
+
+
+@pytest.fixture(scope="module")
+def gpu2() -> dict:
+    return _config(COMPOSE, GPU2)
+
+
+@pytest.fixture(scope="module")
+def gpu8() -> dict:
+    return _config(COMPOSE, GPU8)
+
+
+# --------------------------------------------------------------------------- the CPU stack
+
 def test_services_present(normalized):
-    assert set(normalized["services"]) == {"redis", "model", "prefill", "decode", "gateway"}
+    assert set(normalized["services"]) == BASE_SERVICES
     assert normalized["services"]["redis"]["image"] == "redis:7"
 
 
@@ -92,3 +158,142 @@ def test_raw_file_parses_with_pyyaml():
         assert raw["services"][name]["image"] == "pdserve:latest"
         assert raw["services"][name]["build"] == "."
 
+
+def test_cpu_stack_has_no_gpu_settings(normalized):
+    """docker-compose.yml alone is the CPU stack: CPU image, default device, dtype and
+    transport, no GPU reservation and no host namespaces."""
+    for name, svc in normalized["services"].items():
+        assert not GPU_ONLY_KEYS & set(svc), (name, GPU_ONLY_KEYS & set(svc))
+    for name in PDSERVE_SERVICES:
+        svc = normalized["services"][name]
+        assert svc["image"] == "pdserve:latest"
+        assert svc["build"] == {"context": str(ROOT)}  # no build args: the Dockerfile's CPU torch
+    for role in ("prefill", "decode"):
+        assert normalized["services"][role]["command"] == cpu_worker_command(role, role)
+
+
+# --------------------------------------------------------------------------- the GPU variants
+
+def _check_gpu_worker(svc: dict, gpus: list[str]) -> None:
+    assert svc["image"] == CUDA_IMAGE
+    assert svc["build"] == {"context": str(ROOT), "args": CUDA_BUILD_ARGS}
+    assert svc["deploy"] == {"resources": {"reservations": {"devices": [
+        {"driver": "nvidia", "device_ids": gpus, "capabilities": ["gpu"]}]}}}
+    assert svc["ipc"] == "host"
+    assert svc["pid"] == "host"
+    assert svc["ulimits"] == {"memlock": -1}
+    assert set(svc["cap_add"]) == GPU_CAPS and len(svc["cap_add"]) == len(GPU_CAPS)
+    assert svc["environment"] == GPU_ENV
+    # With the host's IPC namespace /dev/shm is the host's: a shm_size would be ignored.
+    assert "shm_size" not in svc
+    # What the CPU stack gives a worker, unchanged.
+    assert svc["volumes"] == ["models:/models:ro"]
+    assert svc["restart"] == "unless-stopped"
+    assert svc["depends_on"] == {"redis": {"condition": "service_healthy"},
+                                 "model": {"condition": "service_completed_successfully"}}
+    assert "ports" not in svc
+
+
+def _check_layout(config: dict, layout: dict[str, tuple[str, int]], gpus: list[str]) -> None:
+    services = config["services"]
+    assert set(services) == BASE_SERVICES | set(layout)
+    for name, (role, gpu) in layout.items():
+        svc = services[name]
+        _check_gpu_worker(svc, gpus)
+        assert svc["command"] == gpu_worker_command(role, name, gpu)
+        port = PORTS[role]
+        assert svc["expose"] == [port]
+        assert svc["healthcheck"] == {
+            "test": ["CMD", "python", "-m", "pdserve.health", "grpc", f"127.0.0.1:{port}"],
+            "interval": "10s", "timeout": "5s", "start_period": "2m", "retries": 5}
+    # One worker per GPU, every GPU used: disaggregation, not sharing.
+    used = sorted(gpu for _, gpu in layout.values())
+    assert used == [int(g) for g in gpus]
+
+
+def _check_non_workers(config: dict, cpu: dict) -> None:
+    services = config["services"]
+    for name in ("gateway", "model"):
+        svc = services[name]
+        assert not GPU_ONLY_KEYS & set(svc), (name, GPU_ONLY_KEYS & set(svc))  # no GPU
+        assert svc["image"] == CUDA_IMAGE  # one image to build for the whole stack
+        assert svc["build"] == {"context": str(ROOT), "args": CUDA_BUILD_ARGS}
+        rest = {k: v for k, v in svc.items() if k not in ("image", "build")}
+        assert rest == {k: v for k, v in cpu["services"][name].items()
+                        if k not in ("image", "build")}
+    assert services["redis"] == cpu["services"]["redis"]
+    assert config["volumes"] == cpu["volumes"]
+
+
+def test_gpu2_workers(gpu2):
+    _check_layout(gpu2, GPU2_LAYOUT, ["0", "1"])
+
+
+def test_gpu2_prefill_and_decode_on_different_gpus(gpu2):
+    assert _flag(gpu2["services"]["prefill"]["command"], "--device") == "cuda:0"
+    assert _flag(gpu2["services"]["decode"]["command"], "--device") == "cuda:1"
+
+
+def test_gpu2_gateway_model_redis_reserve_no_gpu(gpu2, normalized):
+    _check_non_workers(gpu2, normalized)
+
+
+def test_gpu8_workers(gpu8):
+    _check_layout(gpu8, GPU8_LAYOUT, [str(i) for i in range(8)])
+    roles = [role for role, _ in GPU8_LAYOUT.values()]
+    assert roles.count("prefill") == 4 and roles.count("decode") == 4
+
+
+def test_gpu8_gateway_model_redis_reserve_no_gpu(gpu8, normalized):
+    _check_non_workers(gpu8, normalized)
+
+
+@pytest.mark.parametrize("variant", ["gpu2", "gpu8"])
+def test_gpu_overrides_only_add_gpu_settings(variant, normalized, request):
+    """Against the CPU stack, a GPU worker differs in its image, its command's GPU flags and
+    the GPU-only keys, nothing else."""
+    config = request.getfixturevalue(variant)
+    for role in ("prefill", "decode"):
+        cpu, gpu = normalized["services"][role], config["services"][role]
+        assert set(gpu) - set(cpu) == GPU_ONLY_KEYS - {"shm_size"}
+        assert set(cpu) <= set(gpu)
+        for key in set(cpu) - {"image", "build", "command"}:
+            assert gpu[key] == cpu[key], (role, key)
+        assert gpu["command"][:len(cpu["command"])] == cpu["command"]
+
+
+# --------------------------------------------------------------------------- the image
+
+def _dockerfile_args() -> dict[str, str | None]:
+    args = {}
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        m = re.match(r"\s*ARG\s+(\w+)(?:=(\S+))?\s*$", line)
+        if m:
+            args[m.group(1)] = m.group(2)
+    return args
+
+
+def _makefile_pin(var: str) -> str:
+    m = re.search(rf"^{var} \?= \w+==(\S+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert m, f"{var} pin not found in the Makefile"
+    return m.group(1)
+
+
+def test_dockerfile_cpu_default_and_pins():
+    args = _dockerfile_args()
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    assert args["TORCH_VERSION"] == _makefile_pin("TORCH")
+    assert args["TRITON_VERSION"] == _makefile_pin("TRITON")
+    text = (ROOT / "Dockerfile").read_text()
+    # The project's install is held to the torch (and a CUDA torch's own triton) installed first.
+    assert "pip install -c /etc/pdserve-constraints.txt -e ." in text
+
+
+@pytest.mark.parametrize("override", [GPU2, GPU8], ids=lambda p: p.name)
+def test_gpu_build_args_are_dockerfile_args(override):
+    raw = yaml.safe_load(override.read_text())
+    declared = _dockerfile_args()
+    for name in PDSERVE_SERVICES:
+        build = raw["services"][name]["build"]
+        assert build["args"] == CUDA_BUILD_ARGS
+        assert set(build["args"]) <= set(declared), set(build["args"]) - set(declared)

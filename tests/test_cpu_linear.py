@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from engine.linear import Avx2Linear, packed_linear_class, prepack_linears
+from engine.layers.linear import (Avx2Method, DenseMethod, Linear, MergedLinear,
+                                  linear_method_for, packed_copy)
 from kernels import cpu_linear
 
 needs_kernel = pytest.mark.skipif(not cpu_linear.cpu_supported(),
@@ -86,25 +88,38 @@ def test_a_row_does_not_depend_on_its_batch():
 
 
 @needs_kernel
-def test_engine_swaps_linears_including_a_tied_head():
+def test_linear_layers_pack_after_loading_including_a_tied_head():
     emb = nn.Embedding(50, 24)
-    model = nn.ModuleDict({"proj": nn.Linear(24, 40, bias=True),
-                           "head": nn.Linear(24, 50, bias=False)})
-    model["head"].weight = emb.weight
+    w, b = torch.randn(40, 24), torch.randn(40)
     x = torch.randn(5, 24)
-    want = {name: mod(x) for name, mod in model.items()}
-    assert packed_linear_class(torch.device("cpu"), torch.float32) is Avx2Linear
-    assert prepack_linears(model, torch.device("cpu"), torch.float32) == 2
+    assert isinstance(linear_method_for(torch.device("cpu"), torch.float32), Avx2Method)
+    proj = packed_copy(w, Avx2Method(), b)
+    head = Linear(24, 50, False, Avx2Method())
+    head.weight = emb.weight                         # tied, as a model's lm_head
+    head.process_weights_after_loading()
     with torch.inference_mode():
-        for name, mod in model.items():
-            assert isinstance(mod, Avx2Linear)
-            torch.testing.assert_close(mod(x), want[name], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(proj(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(head(x), F.linear(x, emb.weight), rtol=1e-5, atol=1e-5)
+    assert proj.weight is None and head.weight is None      # only the packed copies remain
     assert emb.weight.shape == (50, 24)                # the tied parameter is left in place
 
 
-def test_other_devices_and_dtypes_keep_nn_linear():
-    assert packed_linear_class(torch.device("cpu"), torch.bfloat16) is None
-    assert packed_linear_class(torch.device("meta"), torch.float32) is None
+def test_merged_linear_loads_each_shard_into_its_rows():
+    layer = MergedLinear(8, [6, 2, 2], bias=True)
+    parts = [torch.randn(n, 8) for n in (6, 2, 2)]
+    for i, p in enumerate(reversed(parts)):           # any order
+        layer.weight_loader(layer.weight, p, 2 - i)
+    assert torch.equal(layer.weight.data, torch.cat(parts))
+    assert layer.shard_rows(1) == (6, 8)
+    with pytest.raises(ValueError, match="shard 1"):
+        layer.weight_loader(layer.weight, torch.randn(3, 8), 1)
+    with pytest.raises(ValueError, match="shard 3"):
+        layer.weight_loader(layer.weight, torch.randn(2, 8), 3)
+
+
+def test_other_devices_and_dtypes_compute_densely():
+    assert type(linear_method_for(torch.device("cpu"), torch.bfloat16)) is DenseMethod
+    assert type(linear_method_for(torch.device("meta"), torch.float32)) is DenseMethod
 
 
 def test_linearbench_times_every_backend_of_the_model_shapes(model_dir, tmp_path):

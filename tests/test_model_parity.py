@@ -9,6 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.request import Request, SamplingParams
+from pdserve.gpucheck import engine_logits
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -49,16 +50,8 @@ def test_logits_match_hf(tmp_path, family):
     with torch.no_grad():
         ref = hf(ids).logits[0]                                          # [37, vocab]
     # chunked prefill across steps (budget 16) through the paged cache, logits of every position
-    got = []
-    req = Request("r", ids[0].tolist(), SamplingParams(temperature=0, max_tokens=1))
-    eng.add_request(req)
-    while eng.has_work():
-        sched = eng.scheduler.schedule()
-        input_ids, positions, meta, _ = eng._prepare(sched)
-        with torch.no_grad():
-            got.append(eng.model.compute_logits(eng.model(input_ids, positions, eng.kv, meta)))
-        eng.scheduler.update(sched, [0] * sum(s.sample for s in sched.scheduled), [None])
-    torch.testing.assert_close(torch.cat(got), ref, rtol=1e-4, atol=1e-4)
+    got = engine_logits(eng, ids[0].tolist())
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -23,16 +23,17 @@ drawn from, which rejection sampling needs). Proposals never change a request.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from engine.attention import AttentionMetadata, group_tokens_for
+from engine.attention.base import BatchLayout
 from engine.block_pool import BlockPool, KVCacheManager
 from engine.config import EngineConfig, ModelConfig
+from engine.model_runner import ModelRunner, StepInputs
 from engine.request import Request
-from engine.sampler import draw, generator, sampling_probs
+from engine.sampler import draw, sampling_probs, uniform
 
 _DRAFT_SEED_SALT = 0x5EED_D4AF7
 
@@ -116,35 +117,29 @@ class DraftProposer(Proposer):
 
     def __init__(self, model_dir: str | Path, target: ModelConfig, cfg: EngineConfig,
                  num_blocks: int, model: torch.nn.Module | None = None) -> None:
-        from engine.weights import load_model
-
         self.mcfg = ModelConfig.from_dir(model_dir)
         if self.mcfg.vocab_size != target.vocab_size:
             raise ValueError(f"the draft model at {model_dir} has a vocabulary of "
                              f"{self.mcfg.vocab_size} tokens, the target {target.vocab_size}: "
                              "a draft must share the target's tokenizer")
         self.device = torch.device(cfg.device)
-        self.model = model or load_model(model_dir, cfg.torch_dtype, cfg.device, self.mcfg,
-                                         round_to=cfg.weight_dtype)
-        m = self.mcfg
+        # its own runner: its own KV pool (num_blocks), buffers and decode graphs
+        self.runner = ModelRunner(model_dir, self.mcfg,
+                                  replace(cfg, num_blocks=num_blocks, speculative="off"), model)
+        self.model = self.runner.model
         self.block_size = cfg.block_size
-        self.kv = torch.zeros(m.num_layers, 2, num_blocks, cfg.block_size, m.num_kv_heads,
-                              m.head_dim, dtype=cfg.torch_dtype, device=self.device)
-        self.group_tokens = group_tokens_for(self.kv)
         self.kv_manager = KVCacheManager(BlockPool(num_blocks), cfg.block_size, None)
         self.computed: dict[str, int] = {}        # tokens whose draft KV is valid
 
-    def _forward(self, ids: list[int], pos: list[int], tables: list[list[int]],
-                 starts: list[int], q_lens: list[int]) -> torch.Tensor:
+    def _forward(self, ids: list[int], tables: list[list[int]], starts: list[int],
+                 q_lens: list[int]) -> torch.Tensor:
         """Logits [num sequences, vocab] at each sequence's last new position."""
-        meta = AttentionMetadata.build(tables, starts, q_lens, self.block_size, self.device,
-                                       self.group_tokens)
-        last = torch.tensor(meta.query_start_loc[1:], device=self.device) - 1
-        dev = self.device
-        with torch.inference_mode():
-            hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
-                                torch.tensor(pos, dtype=torch.long, device=dev), self.kv, meta)
-            return self.model.compute_logits(hidden[last])
+        last, end = [], 0
+        for n in q_lens:
+            end += n
+            last.append(end - 1)
+        inputs = StepInputs(ids, BatchLayout(tables, starts, q_lens), last, [])
+        return self.runner.execute(inputs).logits
 
     @staticmethod
     def _pick(logits: torch.Tensor, req: Request, index: int) -> tuple[int, torch.Tensor | None]:
@@ -152,12 +147,12 @@ class DraftProposer(Proposer):
         if p.greedy:
             return int(torch.argmax(logits)), None
         q = sampling_probs(logits, p)
-        return draw(q, generator(p.seed ^ _DRAFT_SEED_SALT, index, logits.device)), q
+        return draw(q, uniform(p.seed ^ _DRAFT_SEED_SALT, index)), q
 
     def propose(self, reqs: list[Request], ks: list[int]) -> list[Proposal]:
         props = [Proposal([]) for _ in reqs]
         live: list[int] = []
-        ids, pos, tables, starts, q_lens = [], [], [], [], []
+        ids, tables, starts, q_lens = [], [], [], []
         for i, (req, k) in enumerate(zip(reqs, ks)):
             if k <= 0:
                 continue
@@ -168,13 +163,12 @@ class DraftProposer(Proposer):
                 continue                                  # draft pool full: no proposal
             live.append(i)
             ids.extend(req.all_token_ids[start:n])
-            pos.extend(range(start, n))
             tables.append(list(self.kv_manager.block_table(rid)))
             starts.append(start)
             q_lens.append(n - start)
         if not live:
             return props
-        logits = self._forward(ids, pos, tables, starts, q_lens)
+        logits = self._forward(ids, tables, starts, q_lens)
         probs: dict[int, list[torch.Tensor]] = {i: [] for i in live}
         for row, i in enumerate(live):
             tok, q = self._pick(logits[row], reqs[i], len(reqs[i].output_token_ids))
@@ -186,15 +180,14 @@ class DraftProposer(Proposer):
             step = [i for i in live if ks[i] > j]
             if not step:
                 break
-            ids, pos, tables, starts = [], [], [], []
+            ids, tables, starts = [], [], []
             for i in step:
                 req = reqs[i]
                 p = req.num_tokens + j - 1                   # position of the fed draft token
                 ids.append(props[i].tokens[-1])
-                pos.append(p)
                 tables.append(list(self.kv_manager.block_table(req.request_id)))
                 starts.append(p)
-            logits = self._forward(ids, pos, tables, starts, [1] * len(step))
+            logits = self._forward(ids, tables, starts, [1] * len(step))
             for row, i in enumerate(step):
                 req = reqs[i]
                 tok, q = self._pick(logits[row], req, len(req.output_token_ids) + j)

@@ -1,19 +1,21 @@
 """Verification of proposed tokens against the target model's logits.
 
 logits[i] (i = 0..k) are the target's logits after the request's tokens plus the first i
-proposals. Greedy: proposals are kept while each equals the target's argmax; the first mismatch
-is replaced by the argmax, and when all k match, the argmax after the last one is added (the
-"bonus" token). The result is exactly plain greedy decoding.
+proposals. Greedy (`accept_greedy`): proposals are kept while each equals the target's argmax;
+the first mismatch is replaced by the argmax, and when all k match, the argmax after the last
+one is added (the "bonus" token). The result is exactly plain greedy decoding. The argmaxes come
+from the step's batched sampler, with every other row's token, in one transfer.
 
-Temperature > 0: rejection sampling. Proposal x_i drawn from q_i is accepted with probability
-min(1, p_i(x_i) / q_i(x_i)), where p_i is the target's distribution after temperature, top-k and
-top-p (the same processing as engine.sampler); on rejection the token is drawn from
-max(p_i - q_i, 0), renormalized, and verification stops; when all are accepted the bonus token
-is drawn from p_k. Every emitted token is then distributed exactly as the target model's. An
-n-gram proposal is a point mass: q_i(x_i) = 1, and the residual is p_i without x_i.
+Temperature > 0 (`verify`): rejection sampling. Proposal x_i drawn from q_i is accepted with
+probability min(1, p_i(x_i) / q_i(x_i)), where p_i is the target's distribution after
+temperature, top-k and top-p (the same processing as engine.sampler); on rejection the token is
+drawn from max(p_i - q_i, 0), renormalized, and verification stops; when all are accepted the
+bonus token is drawn from p_k. Every emitted token is then distributed exactly as the target
+model's. An n-gram proposal is a point mass: q_i(x_i) = 1, and the residual is p_i without x_i.
 
-Randomness: output token j of a request draws from a generator seeded with (seed, j), as in
-engine.sampler, so a seeded request repeats itself for the same proposals.
+Randomness: output token j of a request draws at engine.sampler.uniform(seed, j) (stream 0, as
+plain sampling does, so verifying no proposal is a plain draw) and tests acceptance at stream 1:
+a seeded request repeats itself for the same proposals.
 """
 
 from __future__ import annotations
@@ -21,7 +23,16 @@ from __future__ import annotations
 import torch
 
 from engine.request import SamplingParams, TokenLogprob
-from engine.sampler import draw, generator, sampling_probs, token_logprob
+from engine.sampler import draw, sampling_probs, token_logprob, uniform
+
+
+def accept_greedy(draft: list[int], targets: list[int]) -> list[int]:
+    """targets: the argmax after each proposal prefix (len(draft) + 1). Returns the tokens to
+    append: the proposals that match, then the target's own."""
+    n = 0
+    while n < len(draft) and draft[n] == targets[n]:
+        n += 1
+    return draft[:n] + [targets[n]]
 
 
 def target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -35,11 +46,9 @@ def rejection_sample(probs: torch.Tensor, draft: list[int], draft_probs: torch.T
     Returns the accepted proposals plus one token drawn by the target (1..k + 1 tokens)."""
     out: list[int] = []
     for i, x in enumerate(draft):
-        gen = generator(seed, index + i, probs.device)
         p = probs[i]
         q_x = 1.0 if draft_probs is None else float(draft_probs[i, x])
-        u = float(torch.rand((), generator=gen, device=probs.device))
-        if q_x > 0 and u * q_x < float(p[x]):      # u < p(x) / q(x)
+        if q_x > 0 and uniform(seed, index + i, 1) * q_x < float(p[x]):   # u < p(x) / q(x)
             out.append(x)
             continue
         if draft_probs is None:
@@ -49,9 +58,9 @@ def rejection_sample(probs: torch.Tensor, draft: list[int], draft_probs: torch.T
             residual = (p - draft_probs[i]).clamp_min(0.0)
         if float(residual.sum()) <= 0.0:           # p == q: rejection has probability 0
             residual = p
-        out.append(draw(residual / residual.sum(), gen))
+        out.append(draw(residual, uniform(seed, index + i)))
         return out
-    out.append(draw(probs[len(draft)], generator(seed, index + len(draft), probs.device)))
+    out.append(draw(probs[len(draft)], uniform(seed, index + len(draft))))
     return out
 
 
@@ -61,11 +70,7 @@ def verify(logits: torch.Tensor, params: SamplingParams, index: int, draft: list
     """logits [k + 1, V] float32 of one request; `index`: its number of output tokens so far.
     Returns the tokens to append (accepted proposals + one) and their logprobs (when asked)."""
     if params.greedy:
-        target = torch.argmax(logits, dim=-1).tolist()
-        n = 0
-        while n < len(draft) and draft[n] == target[n]:
-            n += 1
-        tokens = draft[:n] + [target[n]]
+        tokens = accept_greedy(draft, torch.argmax(logits, dim=-1).tolist())
     else:
         tokens = rejection_sample(target_probs(logits, params), draft, draft_probs,
                                   params.seed, index)

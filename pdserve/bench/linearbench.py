@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.linear import Avx2Linear, OneDnnLinear, onednn_available
+from engine.layers.linear import (Avx2Method, DenseMethod, LinearMethod, OneDnnMethod,
+                                  onednn_available, packed_copy)
 from kernels import cpu_linear
 from pdserve.paths import resolve_model
 
@@ -32,25 +33,19 @@ def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
             (2 * cfg.intermediate_size, cfg.hidden_size), (cfg.hidden_size, cfg.intermediate_size)]
 
 
-def backends(device: torch.device) -> dict[str, type[nn.Module] | None]:
-    out: dict[str, type[nn.Module] | None] = {}
+def backends(device: torch.device) -> dict[str, LinearMethod]:
+    out: dict[str, LinearMethod] = {}
     if cpu_linear.available():
-        out["avx2"] = Avx2Linear
+        out["avx2"] = Avx2Method()
     if onednn_available(device, torch.float32):
-        out["onednn"] = OneDnnLinear
-    out["torch"] = None
+        out["onednn"] = OneDnnMethod()
+    out["torch"] = DenseMethod()
     return out
 
 
-def build(shapes: list[tuple[int, int]], cls: type[nn.Module] | None, seed: int) -> list[nn.Module]:
+def build(shapes: list[tuple[int, int]], method: LinearMethod, seed: int) -> list[nn.Module]:
     gen = torch.Generator().manual_seed(seed)
-    mods = []
-    for n, k in shapes:
-        lin = nn.Linear(k, n, bias=False)
-        with torch.no_grad():
-            lin.weight.copy_(torch.randn(n, k, generator=gen) * k ** -0.5)
-        mods.append(cls(lin) if cls is not None else lin)
-    return mods
+    return [packed_copy(torch.randn(n, k, generator=gen) * k ** -0.5, method) for n, k in shapes]
 
 
 def time_pass(mods: list[nn.Module], rows: int, repeat: int) -> float:

@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache (pure torch; Triton kernels slot in behind the same calls).
+"""The `torch` attention backend: paged attention in pure torch (the CPU path and the reference).
 
 A step's batch is ragged: B sequences, each contributing q_len_i new tokens, concatenated into
 T = sum(q_len_i) rows with no padding. `AttentionMetadata` describes that batch once per step and
@@ -21,6 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.attention.base import AttentionBackend, BatchLayout
+from engine.layers.rotary import apply_rotary
+
 
 MAX_GROUPED_QUERY = 32     # longest query attended in a padded group rather than on its own
 CPU_GROUP_BYTES = 2 << 20  # K and V one group gathers per layer on CPUs (fits the caches)
@@ -29,10 +32,13 @@ CPU_GROUP_BYTES = 2 << 20  # K and V one group gathers per layer on CPUs (fits t
 def group_tokens_for(kv: torch.Tensor) -> int | None:
     """The group_tokens limit for a KV pool [layers, 2, blocks, block_size, kv_heads, head_dim]:
     on CPUs what CPU_GROUP_BYTES hold; none on accelerators."""
-    if kv.device.type != "cpu":
+    return _group_tokens(kv.device, kv.shape[-2], kv.shape[-1], kv.element_size())
+
+
+def _group_tokens(device: torch.device, kv_heads: int, head_dim: int, elem: int) -> int | None:
+    if device.type != "cpu":
         return None
-    kv_heads, head_dim = kv.shape[-2], kv.shape[-1]
-    return max(CPU_GROUP_BYTES // (2 * kv_heads * head_dim * kv.element_size()), 1)
+    return max(CPU_GROUP_BYTES // (2 * kv_heads * head_dim * elem), 1)
 
 
 @dataclass(frozen=True)
@@ -227,3 +233,28 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale,
                                        enable_gqa=True)
     return o.squeeze(0).transpose(0, 1)                                  # [q_len, heads, d]
+
+
+class TorchBackend(AttentionBackend):
+    """Metadata built from the host's lists each step (AttentionMetadata); eager only."""
+
+    name = "torch"
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        self.group_tokens = _group_tokens(self.device, self.model.num_kv_heads,
+                                          self.model.head_dim, elem)
+
+    def build(self, batch: BatchLayout, buffers=None, pad_to: int | None = None
+              ) -> AttentionMetadata:
+        if pad_to is not None:
+            raise ValueError("the torch attention backend does not pad batches (no CUDA graphs)")
+        return AttentionMetadata.build(batch.block_tables, batch.starts, batch.q_lens,
+                                       self.block_size, self.device, self.group_tokens)
+
+    def forward(self, q, k, v, rope, cache, meta: AttentionMetadata, scale: float):
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        store_kv(cache, k, v, meta.slot_mapping)
+        return paged_attention(q, k, v, cache, meta, scale)                # [T, H, D]

@@ -1,0 +1,120 @@
+"""The attention backend interface: metadata built once per step, one call per layer.
+
+    runner, once per step:  meta = backend.build(batch, buffers, pad_to)   (host work + staging)
+                            buffers.upload(...)                            (one H2D copy)
+    each layer:             out = backend.forward(q, k, v, rope, cache, meta, scale)
+
+`forward` stores the step's new K/V (rotary applied to q and k) into their slots of the layer's
+cache [2, num_blocks, block_size, kv_heads, head_dim] and attends each sequence's new queries
+over its whole context, causally: query j of a sequence with `start` cached tokens sits at
+position start + j. The model never branches on the device or the backend; a backend also says
+which kernels the model's other layers (norms, activation) use with it (`kernels`).
+
+Backends: `torch` (engine.attention.torch_backend: pure torch, the CPU path and the reference)
+and `triton` (engine.attention.triton_backend: Triton kernels, the default on CUDA, the only
+one CUDA graphs can capture).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from engine.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """A step's sequences as the host knows them. Sequence i has `starts[i]` tokens in the cache
+    before this step and `q_lens[i]` new ones (rows sum(q_lens[:i]) .. of the step);
+    `block_tables[i]` holds at least ceil((starts[i] + q_lens[i]) / block_size) block ids."""
+
+    block_tables: Sequence[Sequence[int]]
+    starts: Sequence[int]
+    q_lens: Sequence[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)
+
+    @property
+    def decode_only(self) -> bool:
+        return all(n == 1 for n in self.q_lens)
+
+
+@dataclass(frozen=True)
+class BufferSizes:
+    """Capacities the runner's StepBuffers are allocated for."""
+
+    max_tokens: int        # rows of one step
+    max_seqs: int          # sequences of one step
+    max_blocks: int        # blocks of one sequence (block table width)
+
+
+class AttentionBackend(abc.ABC):
+    name: str
+    kernels = "torch"            # what RMSNorm / SiluAndMul use with this backend
+    cuda_graphs = False          # whether build()'s metadata can be captured and replayed
+
+    def __init__(self, model: ModelConfig, block_size: int, dtype: torch.dtype,
+                 device: torch.device, sizes: BufferSizes) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+        self.sizes = sizes
+
+    def regions(self, sizes: BufferSizes) -> list[tuple[str, int, torch.dtype]]:
+        """StepBuffers regions this backend stages its metadata in, for buffers of `sizes`
+        (declared before the block tables)."""
+        return []
+
+    def block_table_region(self, sizes: BufferSizes) -> tuple[str, int, torch.dtype] | None:
+        """The block-table region [max_seqs * max_blocks], declared last; None if the backend
+        builds its own metadata tensors."""
+        return None
+
+    @abc.abstractmethod
+    def build(self, batch: BatchLayout, buffers, pad_to: int | None = None):
+        """This step's metadata. With `pad_to` (CUDA graphs: decode-only batches), the batch is
+        padded with empty sequences (one row each, no context, KV not stored) up to `pad_to`."""
+
+    @abc.abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor], cache: torch.Tensor, meta,
+                scale: float) -> torch.Tensor:
+        """q [T, H, D], k and v [T, KVH, D] (views of the fused qkv projection), rope: cos and
+        sin [T, 1, D]; cache: one layer's [2, N, block_size, KVH, D]. Returns [T, H, D]."""
+
+
+_BACKENDS = {
+    "torch": "engine.attention.torch_backend:TorchBackend",
+    "triton": "engine.attention.triton_backend:TritonBackend",
+}
+
+
+def backend_names() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """"auto": triton on CUDA, torch elsewhere."""
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if name not in _BACKENDS:
+        raise ValueError(f"attention backend must be 'auto' or one of {backend_names()}, "
+                         f"got {name!r}")
+    return name
+
+
+def create_backend(name: str, model: ModelConfig, block_size: int, dtype: torch.dtype,
+                   device: torch.device, sizes: BufferSizes) -> AttentionBackend:
+    """The backend `name` ("auto", "torch", "triton"); its module is imported only now (the
+    triton one imports triton)."""
+    import importlib
+
+    module, cls = _BACKENDS[resolve_backend_name(name, device)].split(":")
+    return getattr(importlib.import_module(module), cls)(model, block_size, dtype, device, sizes)

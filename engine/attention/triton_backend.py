@@ -1,0 +1,131 @@
+"""The `triton` attention backend: Triton kernels over the paged cache (the default on CUDA).
+
+Per layer, two launches (three for split-KV decodes): kernels.triton_kv_store stores the step's
+K/V into their slots with rotary applied to k (and to q, in place), and
+kernels.triton_attention attends every sequence of the ragged batch (prompt chunks after cached
+context, decodes, speculative verification) in one call, reading blocks in place through the
+block table. Metadata lives in the runner's StepBuffers (one H2D copy per step), at addresses
+that never change, so a decode-only step can be captured once per batch-size bucket and replayed.
+
+Staged per step (int32): slot_mapping [T], query_start_loc [B + 1], seq_lens [B], the attention
+tiles (tile_seq, tile_start: one per sequence and run of up to block_q queries), block_tables
+[max_seqs, max_blocks] (rows of the step's sequences). A padded sequence (CUDA-graph buckets) has
+one row, slot -1 (nothing stored), seq_len 0 (zero output).
+
+Decode-only batches with few sequences split each sequence's context across programs
+(split-KV) so the GPU fills up: the split count is fixed per batch size, so a graph replays
+with the launch it was captured with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention.base import AttentionBackend, BatchLayout
+from kernels import triton_attention as ta
+from kernels.triton_kv_store import store_kv
+
+MAX_SPLITS = 16
+
+
+@dataclass(frozen=True)
+class TritonMetadata:
+    slot_mapping: torch.Tensor       # [T] int32
+    query_start_loc: torch.Tensor    # [max_seqs + 1] int32
+    seq_lens: torch.Tensor           # [max_seqs] int32
+    block_tables: torch.Tensor       # [max_seqs, max_blocks] int32
+    tile_seq: torch.Tensor           # [max_tiles] int32
+    tile_start: torch.Tensor         # [max_tiles] int32
+    num_tiles: int
+    block_m: int
+    num_splits: int
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    kernels = "triton"
+    cuda_graphs = True
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        m, s = self.model, self.sizes
+        self.qpk = m.num_heads // m.num_kv_heads
+        self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                        if self.device.type == "cuda" else 1)
+        self.split_tokens = s.max_seqs                  # split-KV: decode-only steps
+        self.partial_out, self.partial_lse = ta.split_scratch(
+            self.split_tokens, m.num_heads, m.head_dim, MAX_SPLITS, self.device)
+
+    def regions(self, sizes):
+        i32 = torch.int32
+        tiles = sizes.max_tokens + sizes.max_seqs       # every sequence's tiles, block_q >= 1
+        return [("slot_mapping", sizes.max_tokens, i32), ("query_start_loc", sizes.max_seqs + 1, i32),
+                ("seq_lens", sizes.max_seqs, i32), ("tile_seq", tiles, i32),
+                ("tile_start", tiles, i32)]
+
+    def block_table_region(self, sizes):
+        return ("block_tables", sizes.max_seqs * sizes.max_blocks, torch.int32)
+
+    def splits_for(self, num_seqs: int) -> int:
+        return ta.num_splits_for(num_seqs, self.model.num_kv_heads, self.num_sms, MAX_SPLITS)
+
+    def build(self, batch: BatchLayout, buffers, pad_to: int | None = None) -> TritonMetadata:
+        bs, width = self.block_size, self.sizes.max_blocks
+        q_lens, starts = list(batch.q_lens), list(batch.starts)
+        n = len(q_lens)
+        if pad_to is not None:
+            if not batch.decode_only or pad_to < n:
+                raise ValueError(f"only decode-only batches of <= {pad_to} sequences are padded")
+            q_lens += [1] * (pad_to - n)
+        b = len(q_lens)
+        h = buffers.host
+        if b > len(h["seq_lens"]):
+            raise ValueError(f"{b} sequences exceed the {len(h['seq_lens'])} staged")
+        qsl = np.zeros(b + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=qsl[1:])
+        h["query_start_loc"][:b + 1] = qsl
+        seq = h["seq_lens"]
+        slots = h["slot_mapping"]
+        tables = h["block_tables"]
+        for i in range(n):
+            start, q = starts[i], q_lens[i]
+            end = start + q
+            used = -(-end // bs)
+            table = np.asarray(batch.block_tables[i][:used], dtype=np.int32)
+            if len(table) < used:
+                raise ValueError(f"sequence {i}: {end} tokens need {used} blocks, "
+                                 f"its table has {len(table)}")
+            tables[i * width:i * width + used] = table
+            pos = np.arange(start, end, dtype=np.int32)
+            slots[qsl[i]:qsl[i + 1]] = table[pos // bs] * bs + pos % bs
+            seq[i] = end
+        seq[n:b] = 0
+        slots[qsl[n]:qsl[b]] = -1
+        block_m, block_q = ta.attention_tile_shape(self.qpk, max(q_lens) if q_lens else 1)
+        tile_seq, tile_start = ta.plan_tiles(q_lens, block_q)
+        h["tile_seq"][:len(tile_seq)] = tile_seq
+        h["tile_start"][:len(tile_start)] = tile_start
+        decode = all(q == 1 for q in q_lens)
+        splits = self.splits_for(b) if decode and b <= self.split_tokens else 1
+        d = buffers.dev
+        return TritonMetadata(d["slot_mapping"][:int(qsl[b])], d["query_start_loc"],
+                              d["seq_lens"], d["block_tables"].view(-1, width), d["tile_seq"],
+                              d["tile_start"], len(tile_seq), block_m, splits)
+
+    def forward(self, q, k, v, rope, cache, meta: TritonMetadata, scale: float):
+        cos, sin = rope
+        k_cache, v_cache = cache[0], cache[1]
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping, q=q, cos=cos[:, 0], sin=sin[:, 0])
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)        # [T, H, D]
+        split = meta.num_splits > 1
+        ta.paged_attention(q, k_cache, v_cache, out, block_tables=meta.block_tables,
+                           seq_lens=meta.seq_lens, query_start_loc=meta.query_start_loc,
+                           tile_seq=meta.tile_seq, tile_start=meta.tile_start,
+                           num_tiles=meta.num_tiles, block_m=meta.block_m, scale=scale,
+                           num_splits=meta.num_splits,
+                           partial_out=self.partial_out if split else None,
+                           partial_lse=self.partial_lse if split else None)
+        return out

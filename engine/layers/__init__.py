@@ -1,0 +1,22 @@
+"""Reusable model layers: linear layers with their weight loaders and methods, RMSNorm (fused
+with the residual add), SiLU-and-mul, rotary embeddings, and the attention layer over the
+engine's attention backend. Models (engine.models) are plain compositions of these."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.attention.base import AttentionBackend
+from engine.layers.linear import LinearMethod
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    """What a model's layers are built with."""
+
+    attention: AttentionBackend     # also decides the norms' and activation's kernels
+    linear: LinearMethod
+
+    @property
+    def kernels(self) -> str:
+        return self.attention.kernels

@@ -1,0 +1,24 @@
+"""SiLU-and-mul, the MLP's activation over the merged gate/up projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """[T, 2 * I] (gate, then up) -> [T, I] = silu(gate) * up."""
+
+    def __init__(self, kernels: str = "torch") -> None:
+        super().__init__()
+        self._triton = None
+        if kernels == "triton":
+            from kernels.triton_activation import silu_and_mul
+            self._triton = silu_and_mul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._triton is not None:
+            return self._triton(x)
+        gate, up = x.chunk(2, dim=-1)                                    # [T, I] each
+        return F.silu(gate) * up

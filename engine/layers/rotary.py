@@ -1,0 +1,61 @@
+"""Rotary position embeddings (rotate-half layout), with Llama 3 frequency scaling.
+
+`RotaryEmbedding(positions, dtype)` computes cos and sin once per forward pass, shared by every
+layer; the attention backend applies them (the triton one inside its KV-store kernel).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """[head_dim / 2] inverse frequencies, with Llama 3 scaling when the config asks for it."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+    scaling = dict(cfg.rope_scaling)
+    if scaling.get("rope_type") == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] with cos, sin [T, 1, D] (HF's arithmetic, in x's dtype)."""
+    return x * cos + rotate_half(x) * sin
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def init_buffers(self, device: str | torch.device) -> None:
+        """Rebuild the buffer after the model was built on the meta device."""
+        self.inv_freq = rope_inv_freq(self.cfg).to(device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, 1, D] in `dtype`, laid out as cat(freqs, freqs)."""
+        freqs = positions[:, None].float() * self.inv_freq.float()       # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                          # [T, D]
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]

@@ -1,0 +1,250 @@
+"""The model runner: everything an engine step does on the device.
+
+It owns the model, the KV pool, the attention backend, the per-step input buffers
+(engine.step_buffers: token ids, positions, the backend's metadata such as slot mapping, query
+and sequence lengths and block tables [max_seqs, max_blocks], the sampler's per-row parameters),
+the CUDA graphs of decode-only steps (engine.cuda_graphs) and the sampler. One step:
+
+    stage on the host -> one H2D copy -> forward (graph replay, or eager) -> logits of the
+    sampled rows -> batched sampling -> one transfer back (tokens and logprobs)
+
+The Engine keeps orchestration (scheduler, speculation, outputs) and hands the runner a
+`StepInputs`. On CUDA without a given pool size the KV pool takes what `gpu_memory_utilization`
+leaves after the weights, a profiled forward pass at the step's token budget and the graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.attention.base import BatchLayout, BufferSizes, create_backend
+from engine.config import EngineConfig, ModelConfig, kv_bytes_per_block
+from engine.cuda_graphs import DecodeGraphs
+from engine.layers import LayerOptions
+from engine.layers.linear import linear_method_for
+from engine.request import SamplingParams, TokenLogprob
+from engine.sampler import RowSampling, Sampler
+from engine.step_buffers import StepBuffers
+from engine.weights import load_model, random_model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One step as the host knows it: the new tokens of every sequence, in order, their layout,
+    and which rows are sampled (with how)."""
+
+    token_ids: list[int]            # [T]
+    batch: BatchLayout
+    sample_rows: list[int]          # [S] rows of the step whose logits are sampled
+    sampling: list[RowSampling]     # [S], or empty: logits only, nothing sampled
+
+
+@dataclass
+class StepResult:
+    tokens: list[int]                       # [S] a token per sampled row
+    logprobs: list[TokenLogprob | None]     # [S]
+    logits: torch.Tensor                    # [S, vocab] float32, on the device
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str | Path | None, model_cfg: ModelConfig, cfg: EngineConfig,
+                 model: torch.nn.Module | None = None, random_weights: bool = False) -> None:
+        self.cfg, self.model_cfg = cfg, model_cfg
+        self.device = torch.device(cfg.device)
+        self.bind_thread()
+        self.dtype = cfg.torch_dtype
+        m = model_cfg
+        self.max_blocks = -(-cfg.max_model_len // cfg.block_size)
+        self.sizes = BufferSizes(cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_blocks)
+        self.backend = create_backend(cfg.attention_backend, m, cfg.block_size, self.dtype,
+                                      self.device, self.sizes)
+        opts = LayerOptions(self.backend, linear_method_for(self.device, self.dtype))
+        if model is not None:
+            self.model = model
+        elif random_weights:
+            self.model = random_model(m, opts, self.dtype, self.device)
+        else:
+            self.model = load_model(model_dir, self.dtype, self.device, m, opts,
+                                    round_to=cfg.weight_dtype)
+        self.sampler = Sampler(cfg.max_num_batched_tokens)
+        self.buffers = self._new_buffers(self.sizes)
+        self.num_blocks = cfg.num_blocks or self._blocks_from_memory()
+        self.kv = torch.zeros(m.num_layers, 2, self.num_blocks, cfg.block_size, m.num_kv_heads,
+                              m.head_dim, dtype=self.dtype, device=self.device)
+        self.graphs = None
+        if self.device.type == "cuda" and self.backend.cuda_graphs and not cfg.enforce_eager:
+            self.graphs = DecodeGraphs(self, cfg.max_num_seqs)
+            self.graphs.capture()
+        self._plan = None
+
+    # ------------------------------------------------------------------ buffers
+    def _new_buffers(self, sizes: BufferSizes) -> StepBuffers:
+        i32 = torch.int32
+        regions = [("input_ids", sizes.max_tokens, i32), ("positions", sizes.max_tokens, i32),
+                   ("sample_rows", sizes.max_tokens, i32)]
+        regions += self.backend.regions(sizes) + Sampler(sizes.max_tokens).regions()
+        tables = self.backend.block_table_region(sizes)
+        if tables is not None:
+            regions.append(tables)
+        return StepBuffers(regions, self.device)
+
+    def _buffers_for(self, num_tokens: int, num_seqs: int) -> StepBuffers:
+        """The persistent buffers, or (a step larger than they hold: a draft model catching up
+        on whole prompts) buffers of its own, eager only."""
+        s = self.sizes
+        if num_tokens <= s.max_tokens and num_seqs <= s.max_seqs:
+            return self.buffers
+        return self._new_buffers(BufferSizes(max(num_tokens, s.max_tokens),
+                                             max(num_seqs, s.max_seqs), s.max_blocks))
+
+    def _stage_tokens(self, buf: StepBuffers, token_ids, batch: BatchLayout, rows: int) -> None:
+        """Token ids and positions of the step's rows (rows beyond T: padding, zeros)."""
+        h = buf.host
+        t = len(token_ids)
+        h["input_ids"][:t] = token_ids
+        q = np.asarray(batch.q_lens, dtype=np.int64)
+        if t:
+            first = np.repeat(np.asarray(batch.starts, dtype=np.int64) - (np.cumsum(q) - q), q)
+            h["positions"][:t] = np.arange(t) + first
+        h["input_ids"][t:rows] = 0
+        h["positions"][t:rows] = 0
+
+    def _upload(self, buf: StepBuffers, num_seqs: int) -> None:
+        tables = self.backend.block_table_region(self.sizes)
+        if tables is None:
+            buf.upload()
+        else:
+            buf.upload(tables[0], num_seqs * self.max_blocks)
+
+    def stage_empty_decode(self, rows: int):
+        """Stage a decode step of `rows` padding sequences (graph capture); its metadata."""
+        batch = BatchLayout([], [], [])
+        self._stage_tokens(self.buffers, [], batch, rows)
+        meta = self.backend.build(batch, self.buffers, pad_to=rows)
+        self._upload(self.buffers, rows)
+        return meta
+
+    # ------------------------------------------------------------------ one step
+    def execute(self, inp: StepInputs) -> StepResult:
+        """Forward pass over the step and sampling of its sampled rows."""
+        batch = inp.batch
+        t, b = len(inp.token_ids), len(batch.q_lens)
+        bucket = None
+        if self.graphs is not None and batch.decode_only:
+            bucket = self.graphs.bucket(b)
+        buf = self._buffers_for(t, b) if bucket is None else self.buffers
+        rows = bucket or t
+        self._stage_tokens(buf, inp.token_ids, batch, rows)
+        s = len(inp.sample_rows)
+        contiguous = inp.sample_rows == list(range(s))
+        if not contiguous:
+            buf.host["sample_rows"][:s] = inp.sample_rows
+        plan = self.sampler.stage(inp.sampling, buf.host)
+        meta = self.backend.build(batch, buf, pad_to=bucket)
+        self._upload(buf, bucket or b)                  # the step's one H2D copy
+        with torch.inference_mode():
+            if bucket is not None:
+                hidden = self.graphs.replay(bucket)                      # [bucket, hidden]
+            else:
+                d = buf.dev
+                hidden = self.model(d["input_ids"][:t], d["positions"][:t], self.kv, meta)
+            sel = hidden[:s] if contiguous else hidden[buf.dev["sample_rows"][:s].long()]
+            logits = self.model.compute_logits(sel)                      # [S, vocab]
+            tokens, logprobs = ([], []) if not inp.sampling else \
+                self.sampler.sample(logits, plan, buf.dev)
+        return StepResult(tokens, logprobs, logits)
+
+    def bind_thread(self) -> None:
+        """Make this runner's GPU the calling thread's current device (CUDA's current device is
+        per thread: the engine's own thread calls this before its first step)."""
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)
+
+    def record_event(self):
+        """A device event after everything issued so far on this device's current stream (None
+        on CPUs: already done)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    # ------------------------------------------------------------------ KV pool sizing
+    def _blocks_from_memory(self) -> int:
+        """CUDA: blocks that fit in gpu_memory_utilization x the device's memory after the
+        weights, the peak of a profiled step at the full token budget (forward, logits and
+        sampling of max_num_seqs rows) and the CUDA graphs' estimated pool."""
+        if self.device.type != "cuda":
+            raise ValueError("num_blocks must be given on CPUs (--kv-cache-gib or --num-blocks)")
+        dev, cfg = self.device, self.cfg
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        weights = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        m = self.model_cfg
+        kv = torch.zeros(m.num_layers, 2, 1, cfg.block_size, m.num_kv_heads, m.head_dim,
+                         dtype=self.dtype, device=dev)
+        self._profile_step(kv, cfg.max_num_batched_tokens)
+        peak = torch.cuda.max_memory_allocated(dev)
+        graph_reserve = 0
+        if self.backend.cuda_graphs and not cfg.enforce_eager:
+            torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev)
+            self._profile_decode(kv, cfg.max_num_seqs)
+            graph_reserve = torch.cuda.max_memory_allocated(dev) - base
+        del kv
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        non_torch = total - free - torch.cuda.memory_reserved(dev)
+        budget = int(total * cfg.gpu_memory_utilization) - peak - non_torch - graph_reserve
+        per_block = kv_bytes_per_block(m, cfg)
+        blocks = budget // per_block
+        if blocks < 1:
+            raise ValueError(f"no room for KV blocks: {cfg.gpu_memory_utilization:.2f} of "
+                             f"{total / 2**30:.1f} GiB minus weights {weights / 2**30:.2f} GiB, "
+                             f"activations {(peak - weights) / 2**30:.2f} GiB and "
+                             f"{non_torch / 2**30:.2f} GiB outside torch; raise "
+                             "--gpu-memory-utilization or lower --max-num-batched-tokens")
+        log.info("KV pool from memory: %d blocks x %d tokens = %d tokens (%.2f GiB); device "
+                 "%.1f GiB x %.2f, weights %.2f GiB, activation peak %.2f GiB, graphs ~%.0f MiB, "
+                 "outside torch %.2f GiB", blocks, cfg.block_size, blocks * cfg.block_size,
+                 blocks * per_block / 2**30, total / 2**30, cfg.gpu_memory_utilization,
+                 weights / 2**30, (peak - weights) / 2**30, graph_reserve / 2**20,
+                 non_torch / 2**30)
+        return int(blocks)
+
+    def _profile_step(self, kv: torch.Tensor, num_tokens: int) -> None:
+        """The largest eager step: num_tokens fresh prompt tokens (in sequences of at most
+        max_model_len), logits and top-p/top-k sampling with logprobs for max_num_seqs rows."""
+        cap = self.cfg.max_model_len
+        q_lens = [min(cap, num_tokens - i) for i in range(0, num_tokens, cap)]
+        batch = BatchLayout([[0] * self.max_blocks] * len(q_lens), [0] * len(q_lens), q_lens)
+        rows = min(self.cfg.max_num_seqs, num_tokens)
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=True,
+                                top_logprobs=20)
+        inp = StepInputs([0] * num_tokens, batch, list(range(rows)),
+                         [RowSampling(params, 0)] * rows)
+        real_kv, self.kv = getattr(self, "kv", None), kv
+        graphs, self.graphs = getattr(self, "graphs", None), None
+        try:
+            self.execute(inp)
+        finally:
+            self.kv, self.graphs = real_kv, graphs
+        torch.cuda.synchronize(self.device)
+
+    def _profile_decode(self, kv: torch.Tensor, rows: int) -> None:
+        meta = self.stage_empty_decode(rows)
+        d = self.buffers.dev
+        with torch.inference_mode():
+            self.model(d["input_ids"][:rows], d["positions"][:rows], kv, meta)
+        torch.cuda.synchronize(self.device)
