@@ -13,9 +13,7 @@ Each output is a sequential sum over k, so a row's result is the same whatever e
 batch: a sequence's logits do not depend on which other sequences, or how many proposed tokens,
 share its step.
 
-The source is compiled on first use with the system C++ compiler ($CXX, else c++) into
-$PDSERVE_KERNEL_CACHE (default: the `kernels` folder of pdserve's cache, ~/.cache/pdserve or
-$PDSERVE_CACHE), keyed by a hash of source and flags, and loaded with ctypes. It runs on torch's
+The source is compiled on first use (kernels.cpu_build) and loaded with ctypes. It runs on torch's
 thread count (torch.set_num_threads). `available()` is false where it cannot run (not an AVX2
 x86 CPU, no compiler, a failed build) and the engine then keeps torch's linear. No autograd:
 inference only. `reference` is the torch computation it must match.
@@ -25,23 +23,18 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_build
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_linear.cpp"
-FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
+FLAGS = cpu_build.AVX2_FLAGS
 PANEL = 16   # output features per packed panel (kept in step with kPanel in the source)
 
 
@@ -50,53 +43,14 @@ def reference(x: torch.Tensor, weight: torch.Tensor,
     return F.linear(x, weight, bias)
 
 
-def cache_dir() -> Path:
-    """PDSERVE_KERNEL_CACHE, else the same cache root as pdserve.paths.cache_dir() (which this
-    package may not import) + /kernels."""
-    for env, sub in (("PDSERVE_KERNEL_CACHE", ""), ("PDSERVE_CACHE", "kernels")):
-        if os.environ.get(env):
-            return Path(os.environ[env]).expanduser() / sub
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "pdserve" / "kernels"
-
-
 def cpu_supported() -> bool:
-    """An x86-64 CPU whose best vector ISA, as torch sees it, is AVX2 (where this was measured;
-    on AVX-512 and AMX hosts oneDNN uses the wider units and stays in charge)."""
-    return (platform.machine().lower() in ("x86_64", "amd64")
-            and torch.backends.cpu.get_cpu_capability() == "AVX2")
+    """An x86-64 CPU whose best vector ISA is AVX2 (kernels.cpu_build.avx2_host)."""
+    return cpu_build.avx2_host()
 
 
 def build(out_dir: Path | None = None) -> Path:
     """Compile the kernel (once per source and flags) and return the shared library's path."""
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not cxx:
-        raise RuntimeError("no C++ compiler (set CXX, or install g++)")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
-    out_dir = out_dir or cache_dir()
-    lib = out_dir / f"cpu_linear-{key}.so"
-    if lib.exists():
-        return lib
-    out_dir.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    # Several workers may start at once: each compiles to its own file, the rename is atomic.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        try:
-            proc = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True,
-                                  text=True)
-        except OSError as e:
-            raise RuntimeError(f"cannot run the C++ compiler {cxx}: {e}") from e
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cxx} failed on {SOURCE.name}:\n{proc.stderr[-2000:]}")
-        os.replace(tmp, lib)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    log.info("compiled %s in %.1f s -> %s", SOURCE.name, time.perf_counter() - t0, lib)
-    return lib
+    return cpu_build.build(SOURCE, FLAGS, out_dir)
 
 
 @functools.lru_cache(maxsize=1)

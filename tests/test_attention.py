@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_attention
+
 from engine.attention.torch_backend import (MAX_GROUPED_QUERY, AttentionMetadata, group_tokens_for,
                               paged_attention, store_kv)
 
@@ -25,9 +27,12 @@ def dense(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", F.softmax(scores, -1), v)
 
 
-@pytest.mark.parametrize("limit,num_groups", [(None, 2), (40, 4), (1, 5)],
-                         ids=["unlimited", "limited", "one-each"])
-def test_every_path_matches_dense_causal_attention(limit, num_groups):
+@pytest.mark.parametrize("limit,num_groups,kernel", [(None, 2, False), (40, 4, False),
+                                                     (1, 5, False), (None, 0, True)],
+                         ids=["unlimited", "limited", "one-each", "cpu-kernel"])
+def test_every_path_matches_dense_causal_attention(limit, num_groups, kernel):
+    if kernel and not cpu_attention.available():
+        pytest.skip("the CPU attention kernel needs an AVX2 x86 CPU")
     g = torch.Generator().manual_seed(0)
     # (cached tokens, new tokens): decodes, grouped short queries of different lengths (padded),
     # a long chunk after cached context, a fresh prompt
@@ -47,9 +52,10 @@ def test_every_path_matches_dense_causal_attention(limit, num_groups):
             slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(cached)])
             store_kv(cache, k[:cached], v[:cached], slots)
     meta = AttentionMetadata.build(tables, [c for c, _ in seqs], [n for _, n in seqs], BS,
-                                   torch.device("cpu"), group_tokens=limit)
+                                   torch.device("cpu"), group_tokens=limit, kernel=kernel)
     # decodes: contexts 10 and 23; short queries: 18, 5 and 39 (padded to their group's longest)
     assert len(meta.groups) == num_groups and meta.one_by_one == [5, 6]
+    assert (meta.kernel is not None) == kernel
     q = torch.randn(sum(n for _, n in seqs), HEADS, DIM, generator=g)
     k = torch.cat([k[c:] for (c, _), k in zip(seqs, full_k)])
     v = torch.cat([v[c:] for (c, _), v in zip(seqs, full_v)])

@@ -1,0 +1,72 @@
+"""Compiling the CPU kernels in kernels/csrc: once per source and flags, on first use.
+
+A source is compiled with the system C++ compiler ($CXX, else c++) into $PDSERVE_KERNEL_CACHE
+(default: the `kernels` folder of pdserve's cache, ~/.cache/pdserve or $PDSERVE_CACHE), named by
+a hash of source and flags, and loaded with ctypes by its Python module. Several workers may
+start at once: each compiles to a file of its own and renames it into place (atomic).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+AVX2_FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
+
+
+def cache_dir() -> Path:
+    """PDSERVE_KERNEL_CACHE, else the same cache root as pdserve.paths.cache_dir() (which this
+    package may not import) + /kernels."""
+    for env, sub in (("PDSERVE_KERNEL_CACHE", ""), ("PDSERVE_CACHE", "kernels")):
+        if os.environ.get(env):
+            return Path(os.environ[env]).expanduser() / sub
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "pdserve" / "kernels"
+
+
+def avx2_host() -> bool:
+    """An x86-64 CPU whose best vector ISA, as torch sees it, is AVX2 (where the kernels were
+    measured; on AVX-512 and AMX hosts oneDNN and torch's own kernels use the wider units)."""
+    return (platform.machine().lower() in ("x86_64", "amd64")
+            and torch.backends.cpu.get_cpu_capability() == "AVX2")
+
+
+def build(source: Path, flags: list[str], out_dir: Path | None = None) -> Path:
+    """Compile `source` (once per source and flags) and return the shared library's path."""
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not cxx:
+        raise RuntimeError("no C++ compiler (set CXX, or install g++)")
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    out_dir = out_dir or cache_dir()
+    lib = out_dir / f"{source.stem}-{key}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        try:
+            proc = subprocess.run([cxx, *flags, str(source), "-o", tmp], capture_output=True,
+                                  text=True)
+        except OSError as e:
+            raise RuntimeError(f"cannot run the C++ compiler {cxx}: {e}") from e
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cxx} failed on {source.name}:\n{proc.stderr[-2000:]}")
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("compiled %s in %.1f s -> %s", source.name, time.perf_counter() - t0, lib)
+    return lib
