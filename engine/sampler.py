@@ -34,7 +34,7 @@ def uniform(seed: int, index: int, stream: int = 0) -> float:
     """A number in [0, 1) that depends only on its arguments (splitmix64 finalizer over the
     mixed counter; 53 bits). Stream 0 draws tokens; rejection sampling's acceptance tests use
     stream 1."""
-    z = (token_seed(seed, index) + stream * _MIX) & _M64
+    z = token_seed(seed, index) ^ ((stream * 0xD6E8FEB86659FD93) & _M64)
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
     z ^= z >> 31

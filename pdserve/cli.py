@@ -255,6 +255,25 @@ def _add_linearbench(sub) -> None:
     p.set_defaults(target="pdserve.bench.linearbench:main")
 
 
+def _add_stepbench(sub) -> None:
+    p = sub.add_parser(
+        "stepbench", help="an engine's decode step in process, and its share outside the linears",
+        formatter_class=_DefaultsFormatter,
+        description="Time --steps decode steps of --batch sequences at --context tokens, in "
+                    "process, and how much of each step the linear layers take.")
+    p.add_argument("--model", default=None,
+                   help=f"model folder (default: {default_model_dir()})")
+    p.add_argument("--batch", type=int, default=32, help="decoding sequences")
+    p.add_argument("--context", type=int, default=256, help="prompt tokens of each")
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="attention kernels")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--out", default=None, help="JSON file for the figures")
+    p.set_defaults(target="pdserve.bench.stepbench:main")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
@@ -343,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_kvbench(sub)
     _add_linearbench(sub)
+    _add_stepbench(sub)
     _add_baseline(sub)
     return parser
 

@@ -242,3 +242,20 @@ def test_bench_shared_prefix_open_loop_against_baseline(baseline):
         assert (s["completed"], s["input_tokens"], s["output_tokens"]) == (6, 6 * 28, 6 * 3)
     starts = [r["start_ms"] for r in report["runs"][1]["requests"]]
     assert max(starts) < 1000                      # an infinite rate sends everything at once
+
+
+def test_stepbench_splits_a_decode_step_into_linears_and_the_rest(model_dir, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "step.json"
+    proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "stepbench", "--model",
+                           str(model_dir), "--batch", "3", "--context", "40", "--steps", "2",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(out.read_text())
+    assert got["batch"] == 3 and got["backend"] == "torch"
+    assert 0 < got["linear_ms"] < got["step_ms"]
+    assert abs(got["outside_ms"] - (got["step_ms"] - got["linear_ms"])) < 1e-6
+    assert "outside them" in proc.stdout

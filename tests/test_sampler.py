@@ -69,3 +69,45 @@ def test_draw_never_picks_a_zero_probability_token():
     assert torch.allclose(counts / 20_000, weights / weights.sum(), atol=0.015)
 
     assert draw(weights, 1.0) == 4
+
+
+def test_batched_rows_match_the_per_row_reference_at_their_uniform():
+    """Every row of one batched call (greedy, temperature, top-k, top-p, both, different seeds
+    and output indices) draws what the per-row reference draws at that row's uniform number."""
+    from engine.sampler import sampling_probs
+
+    torch.manual_seed(3)
+    logits = torch.randn(8, 300) * 3
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=1),
+              SamplingParams(temperature=0.7, top_k=5, seed=2),
+              SamplingParams(temperature=1.3, top_p=0.8, seed=3),
+              SamplingParams(temperature=1.0, top_k=40, top_p=0.5, seed=4),
+              SamplingParams(temperature=2.0, top_k=299, seed=5),
+              SamplingParams(temperature=0.5, top_p=0.999, seed=6),
+              SamplingParams(temperature=1.0, top_k=1000, seed=7)]
+    for index in range(25):
+        toks, _ = sample(logits, params, [index] * len(params))
+        for row, (p, tok) in enumerate(zip(params, toks)):
+            want = (int(logits[row].argmax()) if p.greedy else
+                    draw(sampling_probs(logits[row], p), uniform(p.seed, index)))
+            assert tok == want, (row, index)
+
+
+def test_batched_logprobs_per_row():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [1.0, 1.0, 3.0, 0.0]])
+    params = [SamplingParams(temperature=0, logprobs=True, top_logprobs=3),
+              SamplingParams(temperature=0, logprobs=False),
+              ]
+    toks, lps = sample(logits, params, [0, 0])
+    assert toks == [1, 2] and lps[1] is None
+    ref = logits[0].log_softmax(-1)
+    assert [t for t, _ in lps[0].top] == [1, 2, 0]
+    assert math.isclose(lps[0].top[2][1], float(ref[0]), rel_tol=1e-6)
+
+
+def test_uniform_is_a_pure_function_of_seed_index_and_stream():
+    assert uniform(5, 3) == uniform(5, 3)
+    values = {uniform(s, i, k) for s in range(20) for i in range(20) for k in (0, 1)}
+    assert len(values) == 800 and all(0.0 <= u < 1.0 for u in values)
+    mean = sum(values) / len(values)
+    assert abs(mean - 0.5) < 0.03

@@ -1,0 +1,93 @@
+"""`pdserve stepbench`: one engine's decode step, in process, and the share outside the linear
+layers.
+
+The model (default: the fetched one) serves --batch sequences of --context random prompt tokens;
+once every prompt is computed, --steps decode steps are timed (greedy; the first few are warm-up).
+Each linear layer's forward is timed too, so the report splits a step into its linear layers
+(the weights' matmuls, lm_head included) and everything else (attention, norms, rotary,
+activation, sampling, the engine's own bookkeeping).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.layers.linear import Linear
+from engine.request import Request, SamplingParams
+from pdserve.paths import resolve_model
+
+WARMUP = 3
+
+
+def _time_linears(model: torch.nn.Module) -> list[float]:
+    """Wrap every Linear's forward to add its wall time to the returned one-element list."""
+    spent = [0.0]
+    for m in model.modules():
+        if isinstance(m, Linear):
+            forward = m.forward
+
+            def timed(x, forward=forward):
+                t0 = time.perf_counter()
+                y = forward(x)
+                spent[0] += time.perf_counter() - t0
+                return y
+            m.forward = timed
+    return spent
+
+
+def run(args) -> dict:
+    torch.set_num_threads(args.threads)
+    budget = max(2048, args.context)
+    # the first sequences decode while the last prompts are computed: room for those tokens too
+    new = args.steps + WARMUP + 2 + -(-args.batch * args.context // budget) + 1
+    blocks = args.batch * (-(-(args.context + new) // 16)) + 16
+    eng = Engine(resolve_model(args.model),
+                 EngineConfig(num_blocks=blocks, max_num_seqs=args.batch,
+                              max_num_batched_tokens=budget,
+                              attention_backend=args.attention_backend))
+    spent = _time_linears(eng.model)
+    gen = torch.Generator().manual_seed(args.seed)
+    vocab = eng.model_cfg.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    for i in range(args.batch):
+        eng.add_request(Request(str(i), torch.randint(0, vocab, (args.context,),
+                                                      generator=gen).tolist(), params))
+    while any(r.num_computed_tokens < r.num_prompt_tokens
+              for r in list(eng.scheduler.waiting) + eng.scheduler.running):
+        eng.step()
+    steps, linear = [], []
+    for i in range(args.steps + WARMUP):
+        spent[0] = 0.0
+        t0 = time.perf_counter()
+        eng.step()
+        dt = time.perf_counter() - t0
+        if eng.last_step.num_seqs != args.batch or eng.last_step.num_tokens != args.batch:
+            raise RuntimeError(f"step {i}: {eng.last_step}: the timed steps must be decodes of "
+                               "every sequence")
+        if i >= WARMUP:
+            steps.append(dt)
+            linear.append(spent[0])
+    step, lin = statistics.median(steps), statistics.median(linear)
+    out = dict(batch=args.batch, context=args.context, threads=args.threads,
+               backend=eng.runner.backend.name, step_ms=step * 1e3, linear_ms=lin * 1e3,
+               outside_ms=(step - lin) * 1e3, outside_share=(step - lin) / step,
+               best_step_ms=min(steps) * 1e3)
+    print(f"batch {args.batch}, {args.context}-token contexts, {args.threads} thread(s), "
+          f"{out['backend']} attention: decode step {out['step_ms']:.1f} ms (median of "
+          f"{args.steps}, best {out['best_step_ms']:.1f}); linear layers {out['linear_ms']:.1f} "
+          f"ms; outside them {out['outside_ms']:.1f} ms = {out['outside_share']:.0%}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+def main(args) -> int:
+    run(args)
+    return 0
