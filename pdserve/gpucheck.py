@@ -91,6 +91,18 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _release(device) -> None:
+    """Give back what the last section held (runners and their graphs refer to each other: only
+    the cycle collector frees them)."""
+    import gc
+
+    import torch
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
 # ---------------------------------------------------------------------------- kernel tests
 def kernel_tests(report: Report, device: str) -> None:
     """The kernel and engine tests on the device, summarized per test function."""
@@ -225,6 +237,8 @@ def parity(report: Report, device: str, families: list[str], quick: bool) -> Non
             report.add("parity", item, f"max |dlogit| {diff:.2e} (logits to {scale:.1f}), "
                        f"argmax {top1:.0%}, greedy {same}/{new * len(prompts)} same, first "
                        f"divergence {first}", target, ok if not quick else None)
+            del eng, hf
+            _release(device)
 
 
 # ---------------------------------------------------------------------------- memory sizing
@@ -234,6 +248,7 @@ def memory_sizing(report: Report, device: str) -> None:
     from engine.config import EngineConfig, ModelConfig, kv_bytes_per_block
     from engine.model_runner import ModelRunner
 
+    _release(device)
     mc = ModelConfig(**TINY_DECODE)
     cfg = EngineConfig(device=device, dtype="bfloat16", compute_dtype="bfloat16",
                        gpu_memory_utilization=0.3, max_model_len=2048, max_num_seqs=16,
@@ -249,7 +264,7 @@ def memory_sizing(report: Report, device: str) -> None:
                f"{kv / 2**30:.1f} GiB, torch holds {used / 2**30:.1f} of {total / 2**30:.0f} GiB",
                "<= 0.3 of the device", ok)
     del runner
-    torch.cuda.empty_cache()
+    _release(device)
 
 
 # ---------------------------------------------------------------------------- decode, prefill
@@ -327,6 +342,7 @@ def decode_and_prefill(report: Report, device: str, quick: bool) -> None:
     from engine.sampler import RowSampling
 
     dev = torch.device(device)
+    _release(device)
     mc = ModelConfig(**(TINY_DECODE if quick else LLAMA3_8B))
     batches, ctx, prompt = ((1, 2), 32, 32) if quick else ((1, 16, 64), 1024, 2048)
     dtype = "float32" if dev.type == "cpu" else "bfloat16"
@@ -381,8 +397,7 @@ def decode_and_prefill(report: Report, device: str, quick: bool) -> None:
                f"{prompt / seconds:.0f} tok/s, {flops / seconds / 1e12:.0f} TFLOP/s = "
                f"{share:.0%} of the matmul peak", ">= 40%", None if quick else share >= 0.40)
     del runner
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
+    _release(device)
 
 
 # ---------------------------------------------------------------------------- KV transfer

@@ -82,3 +82,13 @@ def test_top_level_layout():
     for name in ["pyproject.toml", "README.md", "Makefile", "Dockerfile", "docker-compose.yml",
                  ".ci/run", "proto/pdserve.proto", *[f"{p}/__init__.py" for p in sorted(OURS)]]:
         assert (ROOT / name).exists(), name
+
+
+def test_the_cpu_engine_does_not_import_triton():
+    """Triton (a large import) loads only with the triton attention backend."""
+    code = ("import sys, engine.engine, engine.model_runner, engine.attention.torch_backend; "
+            "print('triton' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -82,7 +82,26 @@ inline void prefetch(const float* p, int64_t bytes) {
 template <int N>
 inline void score(const float* qb, const float* kb, int64_t stride_s, int64_t n, int64_t D,
                   float (*s)[kMaxBlock], const int64_t* limit, int64_t start) {
-    for (int64_t t = 0; t < n; ++t) {
+    int64_t t = 0;
+    for (; t + 2 <= n; t += 2) {                 // two keys at a time: 2N independent chains
+        const float* k0 = kb + t * stride_s;
+        const float* k1 = k0 + stride_s;
+        __m256 a[N], b[N];
+        for (int i = 0; i < N; ++i) a[i] = b[i] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) {
+            const __m256 x0 = _mm256_loadu_ps(k0 + d), x1 = _mm256_loadu_ps(k1 + d);
+            for (int i = 0; i < N; ++i) {
+                const __m256 qv = _mm256_loadu_ps(qb + i * D + d);
+                a[i] = _mm256_fmadd_ps(qv, x0, a[i]);
+                b[i] = _mm256_fmadd_ps(qv, x1, b[i]);
+            }
+        }
+        for (int i = 0; i < N; ++i) {
+            s[i][t] = start + t < limit[i] ? hsum(a[i]) : -INFINITY;
+            s[i][t + 1] = start + t + 1 < limit[i] ? hsum(b[i]) : -INFINITY;
+        }
+    }
+    for (; t < n; ++t) {
         const float* kt = kb + t * stride_s;
         __m256 a[N];
         for (int i = 0; i < N; ++i) a[i] = _mm256_setzero_ps();
@@ -100,7 +119,28 @@ inline void score(const float* qb, const float* kb, int64_t stride_s, int64_t n,
 template <int N>
 inline void accumulate(float* acc, const float* vb, int64_t stride_s, int64_t n, int64_t D,
                        float (*p)[kMaxBlock]) {
-    for (int64_t d = 0; d < D; d += 8) {
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {              // two column chunks: 2N independent chains
+        __m256 a[N], b[N];
+        for (int i = 0; i < N; ++i) {
+            a[i] = _mm256_loadu_ps(acc + i * D + d);
+            b[i] = _mm256_loadu_ps(acc + i * D + d + 8);
+        }
+        for (int64_t t = 0; t < n; ++t) {
+            const __m256 v0 = _mm256_loadu_ps(vb + t * stride_s + d);
+            const __m256 v1 = _mm256_loadu_ps(vb + t * stride_s + d + 8);
+            for (int i = 0; i < N; ++i) {
+                const __m256 w = _mm256_set1_ps(p[i][t]);
+                a[i] = _mm256_fmadd_ps(w, v0, a[i]);
+                b[i] = _mm256_fmadd_ps(w, v1, b[i]);
+            }
+        }
+        for (int i = 0; i < N; ++i) {
+            _mm256_storeu_ps(acc + i * D + d, a[i]);
+            _mm256_storeu_ps(acc + i * D + d + 8, b[i]);
+        }
+    }
+    for (; d < D; d += 8) {
         __m256 a[N];
         for (int i = 0; i < N; ++i) a[i] = _mm256_loadu_ps(acc + i * D + d);
         for (int64_t t = 0; t < n; ++t) {
