@@ -29,7 +29,7 @@ def graph_buckets(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """`runner` provides model, kv, backend, buffers and stage_padding(rows)."""
+    """`runner` provides model, kv, buffers and stage_empty_decode(rows)."""
 
     def __init__(self, runner, max_batch: int) -> None:
         self.runner = runner

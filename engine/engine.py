@@ -73,6 +73,11 @@ class Engine:
         if cfg.max_model_len == 0:
             cfg = replace(cfg, max_model_len=self.model_cfg.max_position_embeddings)
         self.device = torch.device(cfg.device)
+        if (cfg.num_blocks == 0 and cfg.role == "decode"
+                and parse_speculative(cfg.speculative)[0] == "draft"):
+            raise ValueError("a draft model's KV pool is not budgeted when the pool is sized "
+                             "from GPU memory: give --kv-cache-gib or --num-blocks with "
+                             "--speculative draft:PATH")
         self.runner = ModelRunner(model_dir, self.model_cfg, cfg, model, random_weights)
         cfg = replace(cfg, num_blocks=self.runner.num_blocks)
         self.cfg = cfg
@@ -267,8 +272,7 @@ class Engine:
         for s in sched.scheduled:
             req = s.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
-            ids.extend((req.all_token_ids + req.spec_token_ids)[start:end] if s.num_spec
-                       else req.all_token_ids[start:end])
+            ids.extend(req.token_ids_between(start, end, with_spec=bool(s.num_spec)))
             tables.append(self.kv_manager.block_table(req.request_id))
             starts.append(start)
             q_lens.append(s.num_new_tokens)

@@ -81,9 +81,15 @@ class ModelRunner:
                               m.head_dim, dtype=self.dtype, device=self.device)
         self.graphs = None
         if self.device.type == "cuda" and self.backend.cuda_graphs and not cfg.enforce_eager:
-            self.graphs = DecodeGraphs(self, cfg.max_num_seqs)
+            self.graphs = DecodeGraphs(self, self.max_graph_batch)
             self.graphs.capture()
         self._plan = None
+
+    @property
+    def max_graph_batch(self) -> int:
+        """The largest decode batch a graph is captured for: a step's rows are staged in
+        max_num_batched_tokens rows."""
+        return min(self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
 
     # ------------------------------------------------------------------ buffers
     def _new_buffers(self, sizes: BufferSizes) -> StepBuffers:
@@ -107,8 +113,11 @@ class ModelRunner:
 
     def _stage_tokens(self, buf: StepBuffers, token_ids, batch: BatchLayout, rows: int) -> None:
         """Token ids and positions of the step's rows (rows beyond T: padding, zeros)."""
+        buf.wait_writable()
         h = buf.host
         t = len(token_ids)
+        if rows > len(h["input_ids"]):
+            raise ValueError(f"{rows} rows exceed the {len(h['input_ids'])} staged")
         h["input_ids"][:t] = token_ids
         q = np.asarray(batch.q_lens, dtype=np.int64)
         if t:
@@ -183,7 +192,7 @@ class ModelRunner:
     def _blocks_from_memory(self) -> int:
         """CUDA: blocks that fit in gpu_memory_utilization x the device's memory after the
         weights, the peak of a profiled step at the full token budget (forward, logits and
-        sampling of max_num_seqs rows) and the CUDA graphs' estimated pool."""
+        sampling of as many rows as a step samples) and the CUDA graphs' estimated pool."""
         if self.device.type != "cuda":
             raise ValueError("num_blocks must be given on CPUs (--kv-cache-gib or --num-blocks)")
         dev, cfg = self.device, self.cfg
@@ -200,7 +209,7 @@ class ModelRunner:
         if self.backend.cuda_graphs and not cfg.enforce_eager:
             torch.cuda.reset_peak_memory_stats(dev)
             base = torch.cuda.memory_allocated(dev)
-            self._profile_decode(kv, cfg.max_num_seqs)
+            self._profile_decode(kv, self.max_graph_batch)
             graph_reserve = torch.cuda.max_memory_allocated(dev) - base
         del kv
         torch.cuda.empty_cache()
@@ -229,7 +238,9 @@ class ModelRunner:
         cap = self.cfg.max_model_len
         q_lens = [min(cap, num_tokens - i) for i in range(0, num_tokens, cap)]
         batch = BatchLayout([[0] * self.max_blocks] * len(q_lens), [0] * len(q_lens), q_lens)
-        rows = min(self.cfg.max_num_seqs, num_tokens)
+        # sampled rows: one per sequence, or with speculation one per verified proposal too
+        per_seq = 1 + (self.cfg.num_speculative_tokens if self.cfg.speculative != "off" else 0)
+        rows = min(self.cfg.max_num_seqs * per_seq, num_tokens)
         params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=True,
                                 top_logprobs=20)
         inp = StepInputs([0] * num_tokens, batch, list(range(rows)),

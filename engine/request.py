@@ -96,6 +96,17 @@ class Request:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    def token_ids_between(self, start: int, end: int, with_spec: bool = False) -> list[int]:
+        """Tokens [start, end) of prompt + output (+ this step's proposals), without building
+        the whole sequence (a decode step needs its last token only)."""
+        p = len(self.prompt_token_ids)
+        out = self.prompt_token_ids[start:end] if start < p else []
+        if end > p:
+            tail = self.output_token_ids + self.spec_token_ids if with_spec \
+                else self.output_token_ids
+            out = out + tail[max(start - p, 0):end - p]
+        return out
+
     def append_token(self, token_id: int, logprob: TokenLogprob | None) -> None:
         self.output_token_ids.append(token_id)
         if logprob is not None:

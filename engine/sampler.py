@@ -47,7 +47,7 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
+        sorted_logits, order = torch.sort(logits, descending=True, stable=True)
         probs = sorted_logits.softmax(-1)
         # drop a token when the mass before it already reaches top_p (the first always stays)
         drop = (probs.cumsum(-1) - probs) >= top_p
@@ -180,7 +180,7 @@ def sample_tensors(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch
             kth = vals.gather(1, (k - 1).clamp(min=0, max=vals.shape[1] - 1)[:, None])
             x = x.masked_fill((k[:, None] > 0) & (k[:, None] < v) & (x < kth), float("-inf"))
         if plan.any_top_p:
-            sorted_x, order = x.sort(dim=-1, descending=True)
+            sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
             probs = sorted_x.softmax(-1)
             drop = ((probs.cumsum(-1) - probs) >= top_p[:, None]) & (top_p < 1.0)[:, None]
             x = x.masked_fill(drop.scatter(1, order, drop), float("-inf"))

@@ -6,9 +6,11 @@ views: a Python list is written in one C loop) and `upload(name, count)` copies 
 to `count` elements of region `name` to the device in ONE host-to-device copy; the device views
 (`dev[name]`) keep their addresses for the life of the buffers, which is what CUDA graphs
 need. Declare the region that grows most (block tables) last, so a step copies only the part it
-used. On a GPU the host side is pinned and the copy is asynchronous; the next step writes the
-host side again only after this step's sampled tokens came back, which orders it after the copy.
-On CPUs host and device are the same memory and `upload` does nothing.
+used. On a GPU the host side is pinned and the copy is asynchronous: `wait_writable()` (called
+before a step writes the host side) waits for an event recorded after the last copy, which has
+long completed when the previous step synced for its sampled tokens, but not after a step that
+sampled nothing (a prompt chunk). On CPUs host and device are the same memory and `upload` does
+nothing.
 
     bytes: | input_ids | positions | ... | block_tables (rows used) ........ |
            0                               ^ upload("block_tables", B * W) copies up to here
@@ -38,6 +40,8 @@ class StepBuffers:
         self._host = torch.zeros(off, dtype=torch.uint8, pin_memory=self.copies)
         self._dev = (torch.zeros(off, dtype=torch.uint8, device=device) if self.copies
                      else self._host)
+        self._copied = torch.cuda.Event() if self.copies else None
+        self._pending = False
         self.host: dict[str, np.ndarray] = {}
         self.dev: dict[str, torch.Tensor] = {}
         for name, (start, size, dtype) in self._offsets.items():
@@ -49,12 +53,20 @@ class StepBuffers:
         start, size, dtype = self._offsets[name]
         return start + count * torch.empty((), dtype=dtype).element_size()
 
+    def wait_writable(self) -> None:
+        """Until the last upload has read the host side (then it may be written again)."""
+        if self._pending:
+            self._copied.synchronize()
+            self._pending = False
+
     def upload(self, name: str | None = None, count: int = 0) -> None:
         """Copy the host side to the device, up to `count` elements of `name` (all: None)."""
         if not self.copies:
             return
         n = self.nbytes if name is None else self.end(name, count)
         self._dev[:n].copy_(self._host[:n], non_blocking=True)
+        self._copied.record(torch.cuda.current_stream(self.device))
+        self._pending = True
 
 
 def write(dst: np.ndarray, values, start: int = 0) -> int:

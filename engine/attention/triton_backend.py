@@ -19,6 +19,7 @@ with the launch it was captured with.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,7 +75,7 @@ class TritonBackend(AttentionBackend):
 
     def build(self, batch: BatchLayout, buffers, pad_to: int | None = None) -> TritonMetadata:
         bs, width = self.block_size, self.sizes.max_blocks
-        q_lens, starts = list(batch.q_lens), list(batch.starts)
+        q_lens = list(batch.q_lens)
         n = len(q_lens)
         if pad_to is not None:
             if not batch.decode_only or pad_to < n:
@@ -84,36 +85,61 @@ class TritonBackend(AttentionBackend):
         h = buffers.host
         if b > len(h["seq_lens"]):
             raise ValueError(f"{b} sequences exceed the {len(h['seq_lens'])} staged")
-        qsl = np.zeros(b + 1, dtype=np.int32)
+        qsl = np.zeros(b + 1, dtype=np.int64)
         np.cumsum(q_lens, out=qsl[1:])
+        rows = int(qsl[b])
+        if rows > len(h["slot_mapping"]):
+            raise ValueError(f"{rows} rows exceed the {len(h['slot_mapping'])} staged")
         h["query_start_loc"][:b + 1] = qsl
-        seq = h["seq_lens"]
-        slots = h["slot_mapping"]
-        tables = h["block_tables"]
-        for i in range(n):
-            start, q = starts[i], q_lens[i]
-            end = start + q
-            used = -(-end // bs)
-            table = np.asarray(batch.block_tables[i][:used], dtype=np.int32)
-            if len(table) < used:
-                raise ValueError(f"sequence {i}: {end} tokens need {used} blocks, "
-                                 f"its table has {len(table)}")
-            tables[i * width:i * width + used] = table
-            pos = np.arange(start, end, dtype=np.int32)
-            slots[qsl[i]:qsl[i + 1]] = table[pos // bs] * bs + pos % bs
-            seq[i] = end
-        seq[n:b] = 0
-        slots[qsl[n]:qsl[b]] = -1
+        self._stage_sequences(batch, n, qsl, h)
+        h["seq_lens"][n:b] = 0
+        h["slot_mapping"][qsl[n]:rows] = -1
         block_m, block_q = ta.attention_tile_shape(self.qpk, max(q_lens) if q_lens else 1)
-        tile_seq, tile_start = ta.plan_tiles(q_lens, block_q)
-        h["tile_seq"][:len(tile_seq)] = tile_seq
-        h["tile_start"][:len(tile_start)] = tile_start
         decode = all(q == 1 for q in q_lens)
+        if decode:                      # one tile per sequence, from its first (only) query
+            h["tile_seq"][:b] = np.arange(b)
+            h["tile_start"][:b] = 0
+            num_tiles = b
+        else:
+            tile_seq, tile_start = ta.plan_tiles(q_lens, block_q)
+            h["tile_seq"][:len(tile_seq)] = tile_seq
+            h["tile_start"][:len(tile_start)] = tile_start
+            num_tiles = len(tile_seq)
         splits = self.splits_for(b) if decode and b <= self.split_tokens else 1
         d = buffers.dev
-        return TritonMetadata(d["slot_mapping"][:int(qsl[b])], d["query_start_loc"],
-                              d["seq_lens"], d["block_tables"].view(-1, width), d["tile_seq"],
-                              d["tile_start"], len(tile_seq), block_m, splits)
+        return TritonMetadata(d["slot_mapping"][:rows], d["query_start_loc"], d["seq_lens"],
+                              d["block_tables"].view(-1, width), d["tile_seq"],
+                              d["tile_start"], num_tiles, block_m, splits)
+
+    def _stage_sequences(self, batch: BatchLayout, n: int, qsl: np.ndarray, h) -> None:
+        """Block tables, context lengths and slot mapping of the n real sequences, vectorized
+        over the batch (one numpy pass each, no per-token Python)."""
+        if not n:
+            return
+        bs, width = self.block_size, self.sizes.max_blocks
+        starts = np.asarray(batch.starts, dtype=np.int64)
+        q = np.diff(qsl[:n + 1])
+        ends = starts + q
+        used = -(-ends // bs)
+        have = np.fromiter((len(t) for t in batch.block_tables), dtype=np.int64, count=n)
+        short = np.nonzero(have < used)[0]
+        if len(short):
+            i = int(short[0])
+            raise ValueError(f"sequence {i}: {int(ends[i])} tokens need {int(used[i])} blocks, "
+                             f"its table has {int(have[i])}")
+        if int(used.max()) > width:
+            raise ValueError(f"a sequence needs {int(used.max())} blocks; tables hold {width}")
+        first = np.cumsum(used) - used                       # each sequence's first entry
+        entry = np.arange(int(used.sum())) - np.repeat(first, used)
+        flat = np.fromiter(itertools.chain.from_iterable(
+            t[:u] for t, u in zip(batch.block_tables, used.tolist())), dtype=np.int64)
+        tables = h["block_tables"]
+        tables[np.repeat(np.arange(n) * width, used) + entry] = flat
+        h["seq_lens"][:n] = ends
+        seq = np.repeat(np.arange(n), q)
+        pos = np.arange(int(qsl[n])) - np.repeat(qsl[:n], q) + np.repeat(starts, q)
+        block = tables[seq * width + pos // bs].astype(np.int64)
+        h["slot_mapping"][:int(qsl[n])] = block * bs + pos % bs
 
     def forward(self, q, k, v, rope, cache, meta: TritonMetadata, scale: float):
         cos, sin = rope
