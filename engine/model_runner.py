@@ -74,7 +74,7 @@ class ModelRunner:
         else:
             self.model = load_model(model_dir, self.dtype, self.device, m, opts,
                                     round_to=cfg.weight_dtype)
-        self.sampler = Sampler(cfg.max_num_batched_tokens)
+        self.sampler = Sampler()
         self.buffers = self._new_buffers(self.sizes)
         self.num_blocks = cfg.num_blocks or self._blocks_from_memory()
         self.kv = torch.zeros(m.num_layers, 2, self.num_blocks, cfg.block_size, m.num_kv_heads,
@@ -96,7 +96,7 @@ class ModelRunner:
         i32 = torch.int32
         regions = [("input_ids", sizes.max_tokens, i32), ("positions", sizes.max_tokens, i32),
                    ("sample_rows", sizes.max_tokens, i32)]
-        regions += self.backend.regions(sizes) + Sampler(sizes.max_tokens).regions()
+        regions += self.backend.regions(sizes) + Sampler.regions(sizes.max_tokens)
         tables = self.backend.block_table_region(sizes)
         if tables is not None:
             regions.append(tables)

@@ -116,11 +116,9 @@ class SamplingPlan:
 class Sampler:
     """Per-row sampling parameters staged in the runner's StepBuffers, sampled in one call."""
 
-    def __init__(self, max_rows: int) -> None:
-        self.max_rows = max_rows
-
-    def regions(self) -> list[tuple[str, int, torch.dtype]]:
-        n = self.max_rows
+    @staticmethod
+    def regions(n: int) -> list[tuple[str, int, torch.dtype]]:
+        """StepBuffers regions for n sampled rows."""
         return [("temperature", n, torch.float32), ("top_p", n, torch.float32),
                 ("top_k", n, torch.int32), ("uniform", n, torch.float64)]
 
@@ -205,8 +203,9 @@ def sample_tensors(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch
 def sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[int]
            ) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits [B, V] float32, one row per request -> token ids and (when asked) logprobs."""
-    sampler = Sampler(len(params))
-    host = {name: torch.zeros(n, dtype=dt).numpy() for name, n, dt in sampler.regions()}
+    sampler = Sampler()
+    host = {name: torch.zeros(n, dtype=dt).numpy()
+            for name, n, dt in sampler.regions(len(params))}
     plan = sampler.stage([RowSampling(p, i) for p, i in zip(params, indices)], host)
     dev = {k: torch.from_numpy(a).to(logits.device) for k, a in host.items()}
     return sampler.sample(logits, plan, dev)

@@ -68,13 +68,3 @@ class StepBuffers:
         self._copied.record(torch.cuda.current_stream(self.device))
         self._pending = True
 
-
-def write(dst: np.ndarray, values, start: int = 0) -> int:
-    """dst[start:start + len(values)] = values; returns the end."""
-    n = len(values)
-    if n:
-        dst[start:start + n] = values
-    return start + n
-
-
-__all__ = ["StepBuffers", "write"]
