@@ -21,7 +21,7 @@ from kvtransfer import TransferTarget, block_bytes, create_receiver
 from kvtransfer.staging import HostStaging
 from kvtransfer.wire import logprob_to_pb, target_to_pb
 from pdserve.metrics import TransferMetrics, WorkerMetrics
-from pdserve.worker import WorkerIdentity, sampling_from_pb, serve, worker_stats
+from pdserve.worker import Grammars, WorkerIdentity, sampling_from_pb, serve, worker_stats
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
@@ -74,12 +74,18 @@ class DecodeSink:
             await self.aengine.remote_ready(request_id, first_token, first_logprob)
 
 
-def _token_batch(outs: list[RequestOutput]) -> pb.TokenBatch:
-    batch = pb.TokenBatch(finish_reason=outs[-1].finish_reason or "")
+def _token_batches(outs: list[RequestOutput]) -> list[pb.TokenBatch]:
+    """One TokenBatch per choice among `outs` (in order of first appearance)."""
+    batches: dict[int, pb.TokenBatch] = {}
     for o in outs:
+        batch = batches.get(o.choice)
+        if batch is None:
+            batch = batches[o.choice] = pb.TokenBatch(index=o.choice)
         batch.token_ids.extend(o.new_token_ids)
         batch.logprobs.extend(logprob_to_pb(lp) for lp in o.new_logprobs)
-    return batch
+        if o.finish_reason:
+            batch.finish_reason = o.finish_reason
+    return list(batches.values())
 
 
 class DecodeServicer(pb_grpc.DecodeWorkerServicer):
@@ -98,6 +104,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         self.receiver = create_receiver(transport, self.sink, address=ident.address)
         self.timeout_s = timeout_s
         self.on_timeout = on_timeout
+        self.grammars = Grammars(aengine.engine)
         self._watchdog = asyncio.get_running_loop().create_task(self._watch())
 
     async def _watch(self) -> None:
@@ -129,10 +136,12 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         try:
             req = Request(rid, list(request.prompt_token_ids), sampling_from_pb(request.params),
                           cache_salt=request.cache_salt)
-            queue = self.aengine.open_stream(rid)
+            await self.grammars.attach(req)
+            queue = self.aengine.open_stream(rid, req.params.n)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         finished = False
+        done: set[int] = set()          # choices finished
         try:
             if request.local_prefill:
                 try:
@@ -158,8 +167,10 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                 if errors:
                     finished = True
                     await context.abort(grpc.StatusCode.INTERNAL, errors[0])
-                finished = outs[-1].finished
-                yield pb.DecodeEvent(tokens=_token_batch(outs))
+                done.update(o.choice for o in outs if o.finished)
+                finished = len(done) >= req.params.n
+                for batch in _token_batches(outs):
+                    yield pb.DecodeEvent(tokens=batch)
         finally:
             self._keep_aside(rid, self.sink.drop(rid))
             if not finished:
@@ -170,6 +181,9 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         return await self.receiver.push_kv(request_iterator, context)
 
     async def Abort(self, request: pb.AbortRequest, context):
+        if request.HasField("choice"):            # one choice of an n > 1 request
+            self.aengine.abort_choice(request.request_id, request.choice)
+            return pb.AbortReply(found=True)
         self._keep_aside(request.request_id, self.sink.drop(request.request_id))
         return pb.AbortReply(found=await self.aengine.abort(request.request_id))
 

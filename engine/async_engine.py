@@ -30,6 +30,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cmds: queue.Queue = queue.Queue()
         self._streams: dict[str, asyncio.Queue] = {}
+        self._open_choices: dict[str, int] = {}       # choices of a stream not finished yet
         self._pending_reserve: deque = deque()         # (Request, Future) waiting for blocks
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._stop = threading.Event()
@@ -49,17 +50,21 @@ class AsyncEngine:
         self._cmds.put((fn, args, fut))
         return asyncio.wrap_future(fut)
 
-    def open_stream(self, request_id: str) -> asyncio.Queue:
+    def open_stream(self, request_id: str, choices: int = 1) -> asyncio.Queue:
+        """The queue of a request's outputs (of all its `choices`: RequestOutput.choice says
+        which); it closes once every choice has finished."""
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use on this worker")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = q
+        self._open_choices[request_id] = choices
         return q
 
     def close_stream(self, request_id: str) -> None:
         """Stop delivering the request's outputs; blocks pinned for transfer by outputs not yet
         read are given back."""
         q = self._streams.pop(request_id, None)
+        self._open_choices.pop(request_id, None)
         if q is not None:
             self.drain(q)
 
@@ -116,6 +121,15 @@ class AsyncEngine:
         def run():
             self._abort(request_id)
             self._emit([RequestOutput(request_id, [], [], "error", message)])
+        self._cmds.put((run, (), None))
+
+    def abort_choice(self, request_id: str, choice: int) -> None:
+        """Abort one choice of an n > 1 request without waiting; its stream gets an "abort"
+        output for it when it was still running."""
+        def run():
+            out = self.engine.abort_choice(request_id, choice)
+            if out is not None:
+                self._emit([out])
         self._cmds.put((run, (), None))
 
     async def abort(self, request_id: str) -> bool:
@@ -182,13 +196,18 @@ class AsyncEngine:
     def _emit(self, outputs: list[RequestOutput]) -> None:
         def deliver():
             for o in outputs:
-                q = self._streams.get(o.request_id)
+                sid = o.stream_id
+                q = self._streams.get(sid)
                 if q is None:
                     self._unpin_unread(o)          # nobody will send these blocks
                     continue
                 q.put_nowait(o)
                 if o.finished:
-                    self._streams.pop(o.request_id, None)
+                    left = self._open_choices.get(sid, 1) - 1
+                    self._open_choices[sid] = left
+                    if left <= 0:
+                        self._streams.pop(sid, None)
+                        self._open_choices.pop(sid, None)
         self._loop.call_soon_threadsafe(deliver)
 
     def _run_command(self, item) -> None:
@@ -231,7 +250,8 @@ class AsyncEngine:
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
         s = self.engine.scheduler
-        ids = [r.request_id for r in list(s.waiting) + s.running]
-        for rid in ids:
-            self.engine.abort(rid)
-        return [RequestOutput(rid, [], [], "error", message) for rid in ids]
+        reqs = list(s.waiting) + s.running
+        for r in reqs:
+            self.engine.abort(r.request_id)
+        return [RequestOutput(r.request_id, [], [], "error", message, choice=r.choice,
+                              group=r.group) for r in reqs]

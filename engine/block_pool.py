@@ -168,6 +168,22 @@ class KVCacheManager:
         table.extend(new)
         return new
 
+    def fork(self, parent_id: str, child_id: str, num_shared: int) -> tuple[int, int] | None:
+        """A table for `child_id`: the parent's first `num_shared` blocks (shared: one more
+        reference each) and a new block for the parent's next one, to be filled by copying it.
+        Returns (the parent's block, the new block) to copy, or None (nothing changed) when no
+        block is free."""
+        parent = self._tables[parent_id]
+        if child_id in self._tables:
+            raise RuntimeError(f"request {child_id} already has blocks")
+        if self.pool.num_free < 1 or len(parent) <= num_shared:
+            return None
+        shared = parent[:num_shared]
+        self.pool.take(shared)
+        (new,) = self.pool.allocate(1)
+        self._tables[child_id] = shared + [new]
+        return parent[num_shared], new
+
     def free(self, request_id: str) -> None:
         table = self._tables.pop(request_id, None)
         if table:

@@ -69,6 +69,7 @@ class Engine:
     def __init__(self, model_dir: str | Path | None, cfg: EngineConfig,
                  model_cfg: ModelConfig | None = None, model: torch.nn.Module | None = None,
                  draft_model: torch.nn.Module | None = None, random_weights: bool = False):
+        self.model_dir = Path(model_dir) if model_dir is not None else None
         self.model_cfg = model_cfg or ModelConfig.from_dir(model_dir)
         if cfg.max_model_len == 0:
             cfg = replace(cfg, max_model_len=self.model_cfg.max_position_embeddings)
@@ -120,7 +121,7 @@ class Engine:
             raise ValueError(f"request {req.request_id}: {req.num_prompt_tokens} prompt tokens + "
                              f"{req.params.max_tokens} max_tokens exceed max_model_len "
                              f"{self.cfg.max_model_len}")
-        need = self.kv_manager.blocks_needed(total)
+        need = self.kv_manager.blocks_needed(total)   # per choice: they may take turns
         if need > self.pool.num_blocks:
             raise ValueError(f"request {req.request_id} needs {need} KV blocks; the pool has "
                              f"{self.pool.num_blocks} (raise --kv-cache-gib or --num-blocks)")
@@ -138,8 +139,20 @@ class Engine:
         return self.scheduler.remote_ready(request_id, first_token, logprob)
 
     def abort(self, request_id: str) -> bool:
-        self._forget(request_id)
+        """Abort a request and every choice of it."""
+        for i in range(16):
+            self._forget(request_id if i == 0 else f"{request_id}#{i}")
         return self.scheduler.abort(request_id)
+
+    def abort_choice(self, request_id: str, choice: int) -> RequestOutput | None:
+        """Abort one choice of an n > 1 request (the others go on); its "abort" output, or None
+        when it was not running."""
+        rid = request_id if choice == 0 else f"{request_id}#{choice}"
+        self._forget(rid)
+        if not self.scheduler.abort(rid, group=False):
+            return None
+        return RequestOutput(rid, [], [], "abort", choice=choice,
+                             group=request_id if choice else "")
 
     def _forget(self, request_id: str) -> None:
         if self.proposer is not None:
@@ -166,6 +179,9 @@ class Engine:
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        if self.scheduler.pending_copies:           # blocks of forked choices (n > 1)
+            self.runner.copy_blocks(self.scheduler.pending_copies)
+            self.scheduler.pending_copies = []
         if self.proposer is not None:
             self._propose()
         sched = self.scheduler.schedule()
@@ -233,6 +249,8 @@ class Engine:
             self.spec.observe_draft(time.perf_counter() - t0, sum(len(p.tokens) for p in props))
         self._proposals = {}
         for r, p in zip(reqs, props):
+            if r.structured_state is not None and p.tokens:    # what the grammar allows
+                p = p.truncated(r.structured_state.valid_prefix(list(p.tokens)))
             r.spec_token_ids = list(p.tokens)
             self._proposals[r.request_id] = p
 
@@ -250,7 +268,7 @@ class Engine:
             if not s.num_spec:
                 tokens.append([result.tokens[row]])
                 logprobs.append([result.logprobs[row]])
-            elif req.params.greedy:
+            elif req.params.greedy or self._proposals[req.request_id].probs is None:
                 toks = accept_greedy(req.spec_token_ids, result.tokens[row:row + n])
                 tokens.append(toks)
                 logprobs.append(result.logprobs[row:row + len(toks)])
@@ -258,17 +276,34 @@ class Engine:
                 probs = self._proposals[req.request_id].probs
                 toks, lps = verify(result.logits[row:row + n], req.params,
                                    len(req.output_token_ids), req.spec_token_ids,
-                                   None if probs is None else probs[:s.num_spec])
+                                   None if probs is None else probs[:s.num_spec],
+                                   processed=result.processed[row:row + n])
                 tokens.append(toks)
                 logprobs.append(lps)
             row += n
         return tokens, logprobs
+
+    def _rows(self, req: Request, num_spec: int) -> list[RowSampling]:
+        """The sampled rows of a request: its next token, and with proposals one per proposal
+        (row j follows the first j proposals: its history holds them)."""
+        p, index = req.params, len(req.output_token_ids)
+        # rows are drawn here unless a draft model's proposals are verified by rejection
+        # sampling (point-mass proposals compare with the rows' own draws: engine.spec.verify)
+        prop = self._proposals.get(req.request_id) if num_spec else None
+        plain = prop is None or prop.probs is None
+        if not (p.penalized or p.min_tokens):
+            return [RowSampling(p, index + j, plain) for j in range(1 + num_spec)]
+        out, spec = req.output_token_ids, req.spec_token_ids
+        prompt = req.prompt_token_ids if p.repetition_penalty != 1.0 else ()
+        return [RowSampling(p, index + j, plain, out + spec[:j] if j else out, prompt)
+                for j in range(1 + num_spec)]
 
     def _prepare(self, sched: SchedulerOutput) -> StepInputs:
         """Flatten the scheduled requests into the step's inputs: token ids [T], each
         sequence's layout, and the rows [S] whose logits are sampled (the last position, and
         each proposal's) with how each is sampled."""
         ids, tables, starts, q_lens, sample_rows, rows = [], [], [], [], [], []
+        grammar_rows: list[tuple[Request, int, int]] = []    # (request, first row, proposals)
         for s in sched.scheduled:
             req = s.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
@@ -279,8 +314,27 @@ class Engine:
             if s.sample:
                 first = len(ids) - 1 - s.num_spec
                 sample_rows.extend(range(first, len(ids)))
-                index = len(req.output_token_ids)
-                plain = not s.num_spec
-                rows.extend(RowSampling(req.params, index + j, plain)
-                            for j in range(1 + s.num_spec))
-        return StepInputs(ids, BatchLayout(tables, starts, q_lens), sample_rows, rows)
+                if req.structured_state is not None:
+                    grammar_rows.append((req, len(rows), s.num_spec))
+                rows.extend(self._rows(req, s.num_spec))
+        bitmask = None
+        if grammar_rows:
+            bitmask = self._grammar_masks(grammar_rows, len(rows))
+            for _, first, k in grammar_rows:
+                for j in range(first, first + 1 + k):
+                    rows[j] = replace(rows[j], structured=True)
+        return StepInputs(ids, BatchLayout(tables, starts, q_lens), sample_rows, rows, bitmask)
+
+    def _grammar_masks(self, grammar_rows, num_rows: int) -> torch.Tensor:
+        """The step's token bitmask [rows, words]: every token allowed, but in the rows of
+        requests with a grammar, what it allows there (a verification row: after the
+        proposals before it)."""
+        from engine.structured import new_bitmask
+
+        bitmask = new_bitmask(num_rows, self.model_cfg.vocab_size)
+        for req, first, k in grammar_rows:
+            if k:
+                req.structured_state.fill_draft_masks(req.spec_token_ids[:k], bitmask, first)
+            else:
+                req.structured_state.fill_mask(bitmask, first)
+        return bitmask

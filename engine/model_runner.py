@@ -16,7 +16,6 @@ leaves after the weights, a profiled forward pass at the step's token budget and
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +44,7 @@ class StepInputs:
     batch: BatchLayout
     sample_rows: list[int]          # [S] rows of the step whose logits are sampled
     sampling: list[RowSampling]     # [S], or empty: logits only, nothing sampled
+    bitmask: torch.Tensor | None = None   # [S, words] int32 grammar masks (engine.structured)
 
 
 @dataclass
@@ -52,6 +52,8 @@ class StepResult:
     tokens: list[int]                       # [S] a token per sampled row
     logprobs: list[TokenLogprob | None]     # [S]
     logits: torch.Tensor                    # [S, vocab] float32, on the device
+    processed: torch.Tensor | None = None   # [S, vocab] after logits processing (penalties,
+    #                                         bias, bans, grammar): what tokens are chosen from
 
 
 class ModelRunner:
@@ -74,7 +76,7 @@ class ModelRunner:
         else:
             self.model = load_model(model_dir, self.dtype, self.device, m, opts,
                                     round_to=cfg.weight_dtype)
-        self.sampler = Sampler()
+        self.sampler = Sampler(m.eos_token_ids)
         self.buffers = self._new_buffers(self.sizes)
         self.num_blocks = cfg.num_blocks or self._blocks_from_memory()
         self.kv = torch.zeros(m.num_layers, 2, self.num_blocks, cfg.block_size, m.num_kv_heads,
@@ -156,7 +158,7 @@ class ModelRunner:
         contiguous = inp.sample_rows == list(range(s))
         if not contiguous:
             buf.host["sample_rows"][:s] = inp.sample_rows
-        plan = self.sampler.stage(inp.sampling, buf.host)
+        plan = self.sampler.stage(inp.sampling, buf.host, inp.bitmask)
         meta = self.backend.build(batch, buf, pad_to=bucket)
         self._upload(buf, bucket or b)                  # the step's one H2D copy
         with torch.inference_mode():
@@ -167,9 +169,15 @@ class ModelRunner:
                 hidden = self.model(d["input_ids"][:t], d["positions"][:t], self.kv, meta)
             sel = hidden[:s] if contiguous else hidden[buf.dev["sample_rows"][:s].long()]
             logits = self.model.compute_logits(sel)                      # [S, vocab]
-            tokens, logprobs = ([], []) if not inp.sampling else \
+            tokens, logprobs, processed = ([], [], logits) if not inp.sampling else \
                 self.sampler.sample(logits, plan, buf.dev)
-        return StepResult(tokens, logprobs, logits)
+        return StepResult(tokens, logprobs, logits, processed)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy KV blocks src -> dst in every layer (forked choices), on the current stream."""
+        src = torch.tensor([a for a, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([b for _, b in pairs], dtype=torch.long, device=self.device)
+        self.kv[:, :, dst] = self.kv[:, :, src]
 
     def bind_thread(self) -> None:
         """Make this runner's GPU the calling thread's current device (CUDA's current device is

@@ -13,9 +13,29 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice `choice` of a request seeded `seed` (choice 0 keeps it): each choice
+    draws its own stream, and a seeded n > 1 request repeats itself."""
+    if choice == 0:
+        return seed
+    z = (seed + choice * 0x9E3779B97F4A7C15) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return (z ^ (z >> 31)) % (1 << 63)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Validated sampling settings. temperature 0 is greedy; top_k 0 and top_p 1 are off."""
+    """Validated sampling settings. temperature 0 is greedy; top_k 0, top_p 1, min_p 0,
+    penalties 0 (repetition 1) are off.
+
+    Logits are processed before the token is chosen (greedy or drawn), in this order:
+    logit_bias added; tokens the grammar (`structured`) forbids and, while fewer than
+    min_tokens are out, EOS and stop_token_ids removed; repetition_penalty on every token seen
+    in the prompt or output (positive logits divided, negative multiplied), frequency_penalty x
+    count and presence_penalty once for each token in the output subtracted; then temperature,
+    min_p, top_k, top_p. Logprobs are of the model's raw distribution.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -25,6 +45,15 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1                           # choices of one prompt (decode workers fork them)
+    structured: object | None = None     # engine.structured.StructuredSpec, or None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -37,10 +66,34 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0 <= self.top_logprobs <= 20:
             raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
+            raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2], got "
+                             f"{self.presence_penalty} and {self.frequency_penalty}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got "
+                             f"{self.repetition_penalty}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got "
+                             f"{self.min_tokens}")
+        if not 1 <= self.n <= 16:
+            raise ValueError(f"n must be in [1, 16], got {self.n}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
+
+    @property
+    def processed(self) -> bool:
+        """Logits are changed before the choice (bias, bans, grammar, penalties)."""
+        return bool(self.logit_bias or self.min_tokens or self.penalized
+                    or self.structured is not None)
 
 
 @dataclass
@@ -75,6 +128,15 @@ class Request:
     num_cached_tokens: int = 0            # prompt tokens found in the prefix cache at admission
     num_blocks_streamed: int = 0          # prefill: leading blocks handed out for transfer
     spec_token_ids: list[int] = field(default_factory=list)  # proposals verified this step
+    # n > 1: choice 0 is the request itself; choices 1.. are forked from it once its prompt is
+    # computed (engine.scheduler), sharing the prompt's full blocks. `group` is the id of the
+    # request a choice belongs to ("" for the request itself), whose stream gets its outputs.
+    choice: int = 0
+    group: str = ""
+    forked: bool = False
+    # engine.structured.GrammarMatcher of the output so far (params.structured set; the worker
+    # compiles the grammar and sets it before the request reaches the engine)
+    structured_state: object | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -107,7 +169,13 @@ class Request:
             out = out + tail[max(start - p, 0):end - p]
         return out
 
+    @property
+    def stream_id(self) -> str:
+        return self.group or self.request_id
+
     def append_token(self, token_id: int, logprob: TokenLogprob | None) -> None:
+        if self.structured_state is not None:
+            self.structured_state.accept(token_id)
         self.output_token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
@@ -130,7 +198,13 @@ class RequestOutput:
     # the step that wrote them; their KV is final once it has completed on the device. None when
     # it is final already (CPUs). Stream-ordered copies need not wait; one-sided writes must.
     kv_ready: object | None = None
+    choice: int = 0                       # which choice of an n > 1 request
+    group: str = ""                       # the id whose stream gets this output ("": request_id)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def stream_id(self) -> str:
+        return self.group or self.request_id

@@ -1,4 +1,6 @@
-"""Sampling: greedy, temperature, top-k, top-p, seeded, with logprobs; batched on the device.
+"""Sampling: logits processing (logit_bias, min_tokens, grammar masks, repetition / frequency /
+presence penalties), then greedy, or temperature, min-p, top-k, top-p, seeded; with logprobs;
+batched on the device.
 
 Randomness is a pure function of (seed, index of the token in the output, stream): token i of a
 request draws its uniform number from a counter-based hash of those (`uniform`, computed on the
@@ -7,17 +9,22 @@ gives the same tokens whichever worker samples it, whatever else shares its batc
 preemption. A token is drawn by inverting the CDF of its distribution (summed in float64, so
 each token keeps its probability to ~1e-16) at that number.
 
-`Sampler` is the device path: every sampled row of a step in one batched call (greedy rows,
-temperature, top-k and top-p per row), the chosen tokens and their logprobs returned to the host
-in ONE transfer. `sample` runs it on plain lists (tests, one-off callers); `draw`,
+`Sampler` is the device path: every sampled row of a step in one batched call (processing,
+greedy rows, temperature, min-p, top-k and top-p per row), the chosen tokens and their logprobs
+returned to the host in ONE transfer. Processing is vectorised over the rows: a logit bias is
+one scatter-add of (row, token, bias) triples; penalties count each row's tokens with one
+scatter-add into a [rows, vocab] table; bans and grammar masks are scatters / a bit-unpacking.
+Steps whose rows need none of it skip it. `sample` runs it on plain lists (tests, one-off callers); `draw`,
 `sampling_probs` and `token_logprob` are the per-row pieces rejection sampling and the draft
 proposer use.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Sequence
 
+import numpy as np
 import torch
 
 from engine.request import SamplingParams, TokenLogprob
@@ -41,8 +48,12 @@ def uniform(seed: int, index: int, stream: int = 0) -> float:
     return (z >> 11) * (1.0 / (1 << 53))
 
 
-def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """logits [V] with entries outside top-k / the top-p nucleus set to -inf."""
+def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """logits [V] (temperature applied) with entries outside min-p, top-k and the top-p nucleus
+    set to -inf, in that order."""
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -56,8 +67,33 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 
 
 def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """[V] logits -> the distribution sampled from (temperature, top-k, top-p applied)."""
-    return _filter(logits / p.temperature, p.top_k, p.top_p).softmax(-1)
+    """[V] logits (processed: see `process_row`) -> the distribution sampled from
+    (temperature, min-p, top-k, top-p applied)."""
+    return _filter(logits / p.temperature, p.top_k, p.top_p, p.min_p).softmax(-1)
+
+
+def process_row(logits: torch.Tensor, p: SamplingParams, output: Sequence[int],
+                prompt: Sequence[int], eos_token_ids: Sequence[int] = (),
+                allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """The per-row reference of the batched processing (tests, one-off callers): logits [V] of
+    a row whose output so far is `output`; `allowed` [V] bool (a grammar's mask) or None."""
+    x = logits.clone()
+    for tok, bias in p.logit_bias:
+        x[tok] += bias
+    if allowed is not None:
+        x = x.masked_fill(~allowed, float("-inf"))
+    elif len(output) < p.min_tokens:
+        for tok in {*eos_token_ids, *p.stop_token_ids}:
+            x[tok] = float("-inf")
+    if p.repetition_penalty != 1.0:
+        for tok in set(prompt) | set(output):
+            x[tok] = x[tok] / p.repetition_penalty if x[tok] > 0 else x[tok] * p.repetition_penalty
+    counts: dict[int, int] = {}
+    for tok in output:
+        counts[tok] = counts.get(tok, 0) + 1
+    for tok, c in counts.items():
+        x[tok] -= p.frequency_penalty * c + p.presence_penalty
+    return x
 
 
 def draw(probs: torch.Tensor, u: float) -> int:
@@ -85,11 +121,16 @@ def token_logprob(logits: torch.Tensor, token: int, top_n: int) -> TokenLogprob:
 @dataclass(frozen=True)
 class RowSampling:
     """One logits row of a step: whose params, which output token it samples, and whether to
-    draw it here (False: only its argmax; the row is verified by rejection sampling)."""
+    draw it here (False: only its argmax; the row is verified by rejection sampling).
+    `output` / `prompt`: the tokens before this row's (output: with the proposals a
+    verification row follows), given when the params penalise repetition or set min_tokens."""
 
     params: SamplingParams
     index: int
     draw: bool = True
+    output: Sequence[int] = ()
+    prompt: Sequence[int] = ()
+    structured: bool = False        # the step's bitmask holds this row's grammar mask
 
     @property
     def drawn(self) -> bool:
@@ -99,6 +140,22 @@ class RowSampling:
     def decided(self) -> bool:
         """This row's token (and logprob) is decided here: greedy, or drawn."""
         return self.draw or self.params.greedy
+
+
+@dataclass
+class Processing:
+    """A step's logits processing, staged on the host as flat index lists (None: not needed)."""
+
+    bias: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None      # rows, tokens, values
+    bans: tuple[np.ndarray, np.ndarray] | None = None                  # rows, tokens
+    counted: tuple[np.ndarray, np.ndarray] | None = None     # output tokens: rows, tokens
+    seen: tuple[np.ndarray, np.ndarray] | None = None        # prompt + output (repetition)
+    penalties: np.ndarray | None = None      # [R, 3] presence, frequency, repetition
+    bitmask: torch.Tensor | None = None      # [R, words] int32 (grammar rows; others all set)
+
+    @property
+    def any(self) -> bool:
+        return any(v is not None for v in (self.bias, self.bans, self.penalties, self.bitmask))
 
 
 @dataclass(frozen=True)
@@ -111,43 +168,94 @@ class SamplingPlan:
     any_top_p: bool
     any_logprobs: bool
     max_top_logprobs: int
+    any_min_p: bool = False
+    processing: Processing = field(default_factory=Processing)
+
+
+def _flat(per_row: list[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Row indices and tokens of ragged per-row token lists, flattened."""
+    lens = np.fromiter((len(t) for t in per_row), dtype=np.int64, count=len(per_row))
+    toks = (np.concatenate([np.asarray(t, dtype=np.int64) for t in per_row]) if lens.sum()
+            else np.zeros(0, dtype=np.int64))
+    return np.repeat(np.arange(len(per_row), dtype=np.int64), lens), toks
+
+
+def plan_processing(rows: Sequence[RowSampling], eos_token_ids: Sequence[int],
+                    bitmask: torch.Tensor | None = None) -> Processing:
+    """The flat index lists of a step's processing (only what its rows use)."""
+    proc = Processing(bitmask=bitmask)
+    if not any(r.params.processed for r in rows):
+        return proc
+    bias = [(i, t, b) for i, r in enumerate(rows) for t, b in r.params.logit_bias]
+    if bias:
+        b = np.asarray(bias, dtype=np.float64)
+        proc.bias = (b[:, 0].astype(np.int64), b[:, 1].astype(np.int64), b[:, 2])
+    ban_rows, ban_toks = [], []
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.min_tokens and len(r.output) < p.min_tokens and not r.structured:
+            stops = sorted({*eos_token_ids, *p.stop_token_ids})
+            ban_rows += [i] * len(stops)
+            ban_toks += stops
+    if ban_rows:
+        proc.bans = (np.asarray(ban_rows, dtype=np.int64), np.asarray(ban_toks, dtype=np.int64))
+    if any(r.params.penalized for r in rows):
+        proc.penalties = np.asarray([(r.params.presence_penalty, r.params.frequency_penalty,
+                                      r.params.repetition_penalty) for r in rows],
+                                    dtype=np.float32)
+        proc.counted = _flat([r.output if r.params.penalized else () for r in rows])
+        if any(r.params.repetition_penalty != 1.0 for r in rows):
+            proc.seen = _flat([list(r.prompt) + list(r.output)
+                               if r.params.repetition_penalty != 1.0 else () for r in rows])
+    return proc
 
 
 class Sampler:
     """Per-row sampling parameters staged in the runner's StepBuffers, sampled in one call."""
 
+    def __init__(self, eos_token_ids: Sequence[int] = ()) -> None:
+        self.eos_token_ids = tuple(eos_token_ids)
+
     @staticmethod
     def regions(n: int) -> list[tuple[str, int, torch.dtype]]:
         """StepBuffers regions for n sampled rows."""
         return [("temperature", n, torch.float32), ("top_p", n, torch.float32),
-                ("top_k", n, torch.int32), ("uniform", n, torch.float64)]
+                ("top_k", n, torch.int32), ("min_p", n, torch.float32),
+                ("uniform", n, torch.float64)]
 
-    def stage(self, rows: list[RowSampling], host) -> SamplingPlan:
+    def stage(self, rows: list[RowSampling], host, bitmask: torch.Tensor | None = None
+              ) -> SamplingPlan:
         if len(rows) > len(host["temperature"]):
             raise ValueError(f"{len(rows)} sampled rows exceed the {len(host['temperature'])} "
                              "staged")
         temp, top_p, top_k, u = host["temperature"], host["top_p"], host["top_k"], host["uniform"]
-        max_k, any_p, any_draw = 0, False, False
+        min_p = host["min_p"]
+        max_k, any_p, any_draw, any_min_p = 0, False, False, False
         for i, r in enumerate(rows):
             p = r.params
             if r.drawn:
                 any_draw = True
-                temp[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k
+                temp[i], top_p[i], top_k[i], min_p[i] = p.temperature, p.top_p, p.top_k, p.min_p
                 u[i] = uniform(p.seed, r.index)
                 max_k = max(max_k, p.top_k)
                 any_p = any_p or p.top_p < 1.0
+                any_min_p = any_min_p or p.min_p > 0.0
             else:
-                temp[i], top_p[i], top_k[i], u[i] = 0.0, 1.0, 0, 0.0
+                temp[i], top_p[i], top_k[i], min_p[i], u[i] = 0.0, 1.0, 0, 0.0, 0.0
         lps = [r.params.top_logprobs for r in rows if r.params.logprobs and r.decided]
-        return SamplingPlan(tuple(rows), any_draw, max_k, any_p, bool(lps), max(lps, default=0))
+        return SamplingPlan(tuple(rows), any_draw, max_k, any_p, bool(lps), max(lps, default=0),
+                            any_min_p, plan_processing(rows, self.eos_token_ids, bitmask))
 
     def sample(self, logits: torch.Tensor, plan: SamplingPlan, dev
-               ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """logits [R, V] float32 -> a token per row and, where asked, its logprob. One host
+               ) -> tuple[list[int], list[TokenLogprob | None], torch.Tensor]:
+        """logits [R, V] float32 -> a token per row and, where asked, its logprob; and the
+        processed logits (the logits themselves when nothing is processed). One host
         transfer."""
         r = logits.shape[0]
+        x = process_logits(logits, plan.processing)
         packed = sample_tensors(logits, dev["temperature"][:r], dev["top_p"][:r],
-                                dev["top_k"][:r], dev["uniform"][:r], plan).tolist()
+                                dev["top_k"][:r], dev["uniform"][:r], plan,
+                                processed=x, min_p=dev["min_p"][:r]).tolist()
         tokens, logprobs = [], []
         n = plan.max_top_logprobs
         for row, vals in zip(plan.rows, packed):
@@ -160,18 +268,66 @@ class Sampler:
                 logprobs.append(TokenLogprob(tok, vals[1], top))
             else:
                 logprobs.append(None)
-        return tokens, logprobs
+        return tokens, logprobs, x
+
+
+def _dev(a: np.ndarray, device) -> torch.Tensor:
+    return torch.from_numpy(a).to(device, non_blocking=True)
+
+
+def process_logits(logits: torch.Tensor, proc: Processing) -> torch.Tensor:
+    """The batched processing of a step's logits [R, V] (a new tensor; `logits` when there is
+    nothing to do). Same result as `process_row` on every row."""
+    if not proc.any:
+        return logits
+    dev, (r, v) = logits.device, logits.shape
+    x = logits.clone()
+    if proc.bias is not None:
+        rows, toks, vals = proc.bias
+        x.index_put_((_dev(rows, dev), _dev(toks, dev)),
+                     _dev(vals.astype(np.float32), dev), accumulate=True)
+    if proc.bitmask is not None:
+        from engine.structured import apply_bitmask
+        apply_bitmask(x, proc.bitmask.to(dev, non_blocking=True))
+    if proc.bans is not None:
+        rows, toks = proc.bans
+        x.index_put_((_dev(rows, dev), _dev(toks, dev)),
+                     torch.tensor(float("-inf"), device=dev))
+    if proc.penalties is not None:
+        pen = _dev(proc.penalties, dev)
+        presence, frequency, repetition = pen[:, 0:1], pen[:, 1:2], pen[:, 2:3]
+        if proc.seen is not None:
+            rows, toks = proc.seen
+            seen = torch.zeros(r, v, dtype=torch.bool, device=dev)
+            seen[_dev(rows, dev), _dev(toks, dev)] = True
+            x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
+        rows, toks = proc.counted
+        if len(rows):
+            counts = torch.zeros(r, v, dtype=torch.float32, device=dev)
+            counts.index_put_((_dev(rows, dev), _dev(toks, dev)),
+                              torch.ones(len(rows), device=dev), accumulate=True)
+            x = x - frequency * counts - presence * (counts > 0).to(torch.float32)
+    return x
 
 
 def sample_tensors(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                   top_k: torch.Tensor, u: torch.Tensor, plan: SamplingPlan) -> torch.Tensor:
-    """The batched sampler. logits [R, V] f32; per row: temperature (0: argmax), top_p, top_k,
-    u [R] f64. Returns [R, 2 + 2n] f64: token, its logprob, n top ids, n top logprobs."""
-    tok = logits.argmax(-1)                                              # [R]
+                   top_k: torch.Tensor, u: torch.Tensor, plan: SamplingPlan,
+                   processed: torch.Tensor | None = None,
+                   min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """The batched sampler. logits [R, V] f32 (raw: logprobs are theirs), processed [R, V] (what
+    the token is chosen from; default: the logits); per row: temperature (0: argmax), top_p,
+    top_k, min_p, u [R] f64. Returns [R, 2 + 2n] f64: token, its logprob, n top ids, n top
+    logprobs."""
+    x = logits if processed is None else processed
+    tok = x.argmax(-1)                                                   # [R]
     if plan.any_drawn:
         v = logits.shape[-1]
         drawn = temperature > 0
-        x = logits / torch.where(drawn, temperature, 1.0)[:, None]       # [R, V]
+        x = x / torch.where(drawn, temperature, 1.0)[:, None]            # [R, V]
+        if plan.any_min_p and min_p is not None:
+            probs = x.softmax(-1)
+            x = x.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True),
+                              float("-inf"))
         if plan.max_top_k:
             k = top_k.clamp(max=v).long()                                # 0: off
             vals = x.topk(min(plan.max_top_k, v), dim=-1).values         # [R, max_k]
@@ -200,12 +356,17 @@ def sample_tensors(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch
     return torch.cat(cols, dim=1)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[int]
+def sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[int],
+           rows: list[RowSampling] | None = None, eos_token_ids: Sequence[int] = (),
+           bitmask: torch.Tensor | None = None
            ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits [B, V] float32, one row per request -> token ids and (when asked) logprobs."""
-    sampler = Sampler()
+    """logits [B, V] float32, one row per request -> token ids and (when asked) logprobs.
+    `rows` replaces params/indices when rows carry history (penalties, min_tokens)."""
+    sampler = Sampler(eos_token_ids)
+    rows = rows if rows is not None else [RowSampling(p, i) for p, i in zip(params, indices)]
     host = {name: torch.zeros(n, dtype=dt).numpy()
-            for name, n, dt in sampler.regions(len(params))}
-    plan = sampler.stage([RowSampling(p, i) for p, i in zip(params, indices)], host)
+            for name, n, dt in sampler.regions(len(rows))}
+    plan = sampler.stage(rows, host, bitmask)
     dev = {k: torch.from_numpy(a).to(logits.device) for k, a in host.items()}
-    return sampler.sample(logits, plan, dev)
+    tokens, logprobs, _ = sampler.sample(logits, plan, dev)
+    return tokens, logprobs

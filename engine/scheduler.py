@@ -9,16 +9,23 @@ Order: running requests first (oldest first), then waiting ones (FIFO) while bud
 slots and blocks last. A waiting request with nothing computed starts from its longest cached
 prefix (engine.block_pool): those tokens count as computed. When a running request cannot get a block, the newest running request is
 preempted: its blocks are freed and it goes back to the front of the queue to be recomputed.
+
+n > 1: a request's choices 1..n-1 are forked from it when its first token is out (its prompt
+is computed, here or by a prefill worker). Each shares the prompt's blocks up to the one holding
+the last prompt token, gets a copy of that block (`pending_copies`, done by the engine before
+the next step) and recomputes the last prompt token with its own seed: a one-token step, then
+it decodes like any other request. Without a free block a choice computes its prompt itself
+(prefix cache hits still count).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.block_pool import KVCacheManager
 from engine.config import EngineConfig
-from engine.request import Request, RequestOutput, Status, TokenLogprob
+from engine.request import Request, RequestOutput, Status, TokenLogprob, choice_seed
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,7 @@ class Scheduler:
         self.remote: dict[str, Request] = {}     # decode: waiting for KV from a prefill worker
         self.held: dict[str, Request] = {}       # prefill: finished, blocks kept until released
         self._arrivals = 0
+        self.pending_copies: list[tuple[int, int]] = []   # (src, dst) blocks of forked choices
 
     # ------------------------------------------------------------------ admission
     def add(self, req: Request) -> None:
@@ -82,6 +90,7 @@ class Scheduler:
         req.num_computed_tokens = req.num_prompt_tokens
         self.kv.cache_computed_blocks(req)
         req.append_token(first_token, logprob)
+        self._fork(req)
         out = self._check_finish(req, [first_token], [logprob] if logprob else [])
         if req.finished:
             self.kv.free(req.request_id)
@@ -104,19 +113,49 @@ class Scheduler:
         self.waiting.append(req)
         return True
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, group: bool = True) -> bool:
+        """Abort a request, with (group) the choices forked from it."""
         found = False
         for coll in (self.remote, self.held):
             if coll.pop(request_id, None) is not None:
                 found = True
-        for req in list(self.waiting) + self.running:
-            if req.request_id == request_id:
-                found = True
-                req.status, req.finish_reason = Status.FINISHED, "abort"
-        self.waiting = deque(r for r in self.waiting if r.request_id != request_id)
-        self.running = [r for r in self.running if r.request_id != request_id]
+
+        def hit(r: Request) -> bool:
+            return r.request_id == request_id or (group and r.group == request_id)
+
+        gone = [r for r in list(self.waiting) + self.running if hit(r)]
+        for req in gone:
+            found = True
+            req.status, req.finish_reason = Status.FINISHED, "abort"
+            self.kv.free(req.request_id)
+        if gone:
+            self.waiting = deque(r for r in self.waiting if not hit(r))
+            self.running = [r for r in self.running if not hit(r)]
         self.kv.free(request_id)
         return found
+
+    def _fork(self, parent: Request) -> None:
+        """Choices 1..n-1 of a request whose first token just came out (see the module
+        docstring)."""
+        n = parent.params.n
+        if n <= 1 or parent.forked or parent.group:
+            return
+        parent.forked = True
+        bs = self.kv.block_size
+        shared = (parent.num_prompt_tokens - 1) // bs
+        for i in range(1, n):
+            p = replace(parent.params, seed=choice_seed(parent.params.seed, i), n=1)
+            child = Request(f"{parent.request_id}#{i}", parent.prompt_token_ids, p,
+                            cache_salt=parent.cache_salt, choice=i, group=parent.request_id)
+            if parent.structured_state is not None:          # a fresh grammar state
+                child.structured_state = parent.structured_state.grammar.matcher()
+            pair = self.kv.fork(parent.request_id, child.request_id, shared)
+            if pair is not None:
+                self.pending_copies.append(pair)
+                child.num_computed_tokens = parent.num_prompt_tokens - 1
+                child.block_hashes = parent.block_hashes[:shared]
+                child.num_cached_blocks = min(parent.num_cached_blocks, shared)
+            self.add(child)
 
     def release(self, request_id: str) -> None:
         """Prefill role: the KV of a finished request has been sent; free its blocks."""
@@ -233,7 +272,10 @@ class Scheduler:
             toks, lps = next(it)
             if isinstance(toks, int):
                 toks, lps = [toks], [lps]
+            first = not req.output_token_ids
             out = self._append(req, toks, lps)
+            if first and self.cfg.role == "decode":
+                self._fork(req)
             # KV is valid for the request's token and the accepted proposals only (those kept:
             # tokens after a stop are dropped); the slots of rejected ones are written again
             # when their real tokens are computed
@@ -282,10 +324,13 @@ class Scheduler:
         reason = None
         if self.cfg.role == "prefill":
             reason = "prefilled"
-        elif not req.params.ignore_eos and toks[-1] in self.eos:
+        elif (not req.params.ignore_eos and toks[-1] in self.eos) \
+                or toks[-1] in req.params.stop_token_ids \
+                or (req.structured_state is not None and req.structured_state.terminated):
             reason = "stop"
         elif len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is not None:
             req.status, req.finish_reason = Status.FINISHED, reason
-        return RequestOutput(req.request_id, toks, lps, reason)
+        return RequestOutput(req.request_id, toks, lps, reason, choice=req.choice,
+                             group=req.group)

@@ -6,7 +6,9 @@ registered or one is unreachable.
 
 Proto3 scalars cannot be "unset", so in SamplingParams: temperature 0 means greedy (the default
 of an empty message), top_p 0 means 1 (off), top_k 0 means off; max_tokens must be set (>= 1);
-seed is optional (a random one is chosen when absent).
+seed is optional (a random one is chosen when absent); repetition_penalty and
+skip_special_tokens are optional (1 and true when absent); n 0 means 1. With n > 1 each
+response carries its choice's `index`; the usage is on the last one.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway.errors import GatewayError, bad_request
-from gateway.params import PreparedRequest, Prompt, RawParams, RequestPreparer
+from gateway.params import PreparedRequest, Prompt, RawParams, RequestPreparer, Structured
 from gateway.pipeline import Delta, Pipeline
 from proto import pdserve_pb2, pdserve_pb2_grpc
 
@@ -44,20 +46,48 @@ def request_to_shared(request: pdserve_pb2.GenerateRequest) -> tuple[Prompt, Raw
                     top_p=p.top_p or None, top_k=p.top_k,
                     seed=p.seed if p.HasField("seed") else None, stop=tuple(p.stop),
                     ignore_eos=p.ignore_eos, logprobs=p.logprobs, top_logprobs=p.top_logprobs,
-                    cache_salt=request.cache_salt or None)
+                    cache_salt=request.cache_salt or None, n=p.n or None, min_p=p.min_p,
+                    presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                    repetition_penalty=(p.repetition_penalty
+                                        if p.HasField("repetition_penalty") else None),
+                    logit_bias=tuple((str(k), v) for k, v in sorted(p.logit_bias.items())),
+                    min_tokens=p.min_tokens, stop_token_ids=tuple(p.stop_token_ids),
+                    include_stop_str_in_output=p.include_stop_str_in_output,
+                    skip_special_tokens=(p.skip_special_tokens
+                                         if p.HasField("skip_special_tokens") else True),
+                    echo=request.echo, structured=_structured(p))
     return prompt, raw
 
 
-def _response(prepared: PreparedRequest, delta: Delta) -> pdserve_pb2.GenerateResponse:
+def _structured(p: pdserve_pb2.SamplingParams) -> Structured | None:
+    if not p.HasField("structured"):
+        return None
+    which = p.structured.WhichOneof("kind")
+    if which is None:
+        return None
+    if which == "json_object":
+        return Structured("json_object")
+    if which == "choice":
+        return Structured("choice", tuple(p.structured.choice.choices))
+    return Structured(which, getattr(p.structured, which))
+
+
+def _response(prepared: PreparedRequest, delta: Delta, text: str, used: dict[int, int],
+              finished: set[int]) -> pdserve_pb2.GenerateResponse:
+    """`used`: completion tokens per choice so far, `finished`: choices done (both updated
+    here); the usage goes on the last response of the request (every choice finished)."""
     out = pdserve_pb2.GenerateResponse(
-        request_id=prepared.request_id, token_ids=delta.token_ids, text=delta.text,
-        finish_reason=delta.finish_reason or "")
+        request_id=prepared.request_id, token_ids=delta.token_ids, text=text,
+        finish_reason=delta.finish_reason or "", index=delta.index)
     for lp in delta.logprobs:
         out.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
                          top=[pdserve_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+    used[delta.index] = delta.completion_tokens
     if delta.finish_reason:
-        out.usage.prompt_tokens = prepared.num_prompt_tokens
-        out.usage.completion_tokens = delta.completion_tokens
+        finished.add(delta.index)
+        if len(finished) == prepared.params.n:
+            out.usage.prompt_tokens = prepared.num_prompt_tokens
+            out.usage.completion_tokens = sum(used.values())
     return out
 
 
@@ -76,10 +106,21 @@ class GenerationServicer(pdserve_pb2_grpc.GenerationServicer):
                                              request.request_id or None)
         except GatewayError as err:
             await context.abort(err.grpc_code(), err.message)
+        echo = ""
+        if prepared.params.echo:
+            echo = prompt.text if prompt.text is not None else \
+                self.preparer.tokenizer.decode(prepared.prompt_token_ids)
+        echoed: set[int] = set()
+        used: dict[int, int] = {}
+        finished: set[int] = set()
         async with contextlib.aclosing(self.pipeline.generate(prepared)) as deltas:
             try:
                 async for delta in deltas:
-                    yield _response(prepared, delta)
+                    text = delta.text
+                    if echo and delta.index not in echoed:
+                        echoed.add(delta.index)
+                        text = echo + text
+                    yield _response(prepared, delta, text, used, finished)
             except GatewayError as err:
                 log.warning("request %s failed: %s", prepared.request_id, err)
                 await context.abort(err.grpc_code(), err.message)

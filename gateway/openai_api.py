@@ -19,6 +19,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 from typing import AsyncGenerator, AsyncIterator, Awaitable, TypeVar
 
 from fastapi import FastAPI, Request
@@ -26,16 +27,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.errors import GatewayError
-from gateway.openai_format import OpenAIFormatter
-from gateway.params import RequestPreparer
+from gateway.errors import GatewayError, bad_request
+from gateway.openai_format import OpenAIFormatter, ToolOutput
+from gateway.params import PreparedRequest, RequestPreparer
 from gateway.pipeline import Delta, Pipeline
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, validation_error
 from gateway.router import Router
+from gateway.utility_api import add_utility_routes
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+MAX_BATCH_PROMPTS = 64     # prompts of one /v1/completions request
 
 
 class ClientDisconnected(Exception):
@@ -107,6 +111,43 @@ class EventStreamResponse(StreamingResponse):
                 raise stream.exception()
 
 
+async def _merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
+    """(prompt number, Delta) from several prompts' Delta streams as they come; the first error
+    of any of them is raised (closing this closes them all)."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as only:
+            async for delta in only:
+                yield 0, delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[Delta]) -> None:
+        try:
+            async with contextlib.aclosing(stream):
+                async for delta in stream:
+                    await queue.put((i, delta))
+            await queue.put((i, done))
+        except Exception as exc:          # noqa: BLE001 - handed to the consumer
+            await queue.put((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class OpenAIServer:
     """The endpoints' logic, independent of FastAPI routing."""
 
@@ -114,14 +155,40 @@ class OpenAIServer:
         self.preparer = preparer
         self.pipeline = pipeline
 
+    def _prepare(self, body: CompletionRequest | ChatCompletionRequest
+                 ) -> tuple[list[PreparedRequest], list[str]]:
+        """The prepared requests of a body (one per prompt) and, with echo, each prompt's text."""
+        plan = None
+        if isinstance(body, ChatCompletionRequest):
+            plan = body.tool_plan(self.preparer.served.tool_call_parser)
+            prompts, raw = body.to_shared(plan)
+        else:
+            prompts, raw = body.to_shared()
+        if len(prompts) > MAX_BATCH_PROMPTS:
+            raise bad_request(f"at most {MAX_BATCH_PROMPTS} prompts per request, got "
+                              f"{len(prompts)}", "prompt")
+        rid = uuid.uuid4().hex
+        prepared = [self.preparer.prepare(p, raw, body.model,
+                                          rid if len(prompts) == 1 else f"{rid}-{i}")
+                    for i, p in enumerate(prompts)]
+        echo = []
+        if raw.echo:
+            tok = self.preparer.tokenizer
+            echo = [p.text if p.text is not None else tok.decode(r.prompt_token_ids)
+                    for p, r in zip(prompts, prepared)]
+        return prepared, echo, plan
+
     async def handle(self, request: Request, body: CompletionRequest | ChatCompletionRequest):
         try:
-            prompt, raw = body.to_shared()
-            prepared = self.preparer.prepare(prompt, raw, body.model)
+            prepared, echo, plan = self._prepare(body)
         except GatewayError as err:
             return _error_response(err)
-        fmt = OpenAIFormatter(prepared, self.preparer.tokenizer, body.include_usage)
-        deltas = self.pipeline.generate(prepared)
+        tools = None
+        if plan is not None and plan.mode != "none":
+            tools = lambda: ToolOutput(plan)              # noqa: E731 - one per choice
+        fmt = OpenAIFormatter(prepared, self.preparer.tokenizer, body.include_usage, echo,
+                              tools)
+        deltas = _merge([self.pipeline.generate(p) for p in prepared])
         try:
             if body.stream:
                 first = await _race_disconnect(request, deltas.__anext__())
@@ -132,34 +199,33 @@ class OpenAIServer:
             return _error_response(err)
         except ClientDisconnected:
             await deltas.aclose()
-            log.info("client disconnected; request %s aborted", prepared.request_id)
+            log.info("client disconnected; request %s aborted", fmt.id)
             return Response(status_code=499)
         except StopAsyncIteration:
             return _error_response(GatewayError("the request produced no output", status=500))
 
-    async def _events(self, fmt: OpenAIFormatter, first: Delta,
-                      deltas: AsyncIterator[Delta]) -> AsyncIterator[bytes]:
-        last = first
+    async def _events(self, fmt: OpenAIFormatter, first: tuple[int, Delta],
+                      deltas: AsyncIterator[tuple[int, Delta]]) -> AsyncIterator[bytes]:
         try:
             if fmt.chat:
-                yield _sse(fmt.role_chunk())
-            for chunk in fmt.delta_chunks(first):
+                for chunk in fmt.role_chunks():
+                    yield _sse(chunk)
+            for chunk in fmt.delta_chunks(first[1], first[0]):
                 yield _sse(chunk)
-            async for delta in deltas:
-                last = delta
-                for chunk in fmt.delta_chunks(delta):
+            async for prompt, delta in deltas:
+                for chunk in fmt.delta_chunks(delta, prompt):
                     yield _sse(chunk)
             if fmt.include_usage:
-                yield _sse(fmt.usage_chunk(last.completion_tokens))
+                yield _sse(fmt.usage_chunk())
         except GatewayError as err:
-            log.warning("request %s failed while streaming: %s", fmt.prepared.request_id, err)
+            log.warning("request %s failed while streaming: %s", fmt.id, err)
             yield _sse(err.body())
         finally:
             await deltas.aclose()
         yield _sse("[DONE]")
 
 
-async def _collect(deltas: AsyncIterator[Delta]) -> list[Delta]:
+async def _collect(deltas: AsyncIterator[tuple[int, Delta]]) -> list[tuple[int, Delta]]:
     async with contextlib.aclosing(deltas):
         return [d async for d in deltas]
 
@@ -204,4 +270,5 @@ def create_app(preparer: RequestPreparer, pipeline: Pipeline, router: Router) ->
     async def health():
         return {"status": "ok", "model": served.name, "workers": router.counts()}
 
+    add_utility_routes(app, preparer)     # /tokenize, /detokenize, /version
     return app

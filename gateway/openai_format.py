@@ -1,11 +1,18 @@
 """OpenAI response shapes built from pipeline Deltas: streaming chunks, full responses, usage and
 both logprob formats (completions: tokens / token_logprobs / top_logprobs / text_offset; chat:
-content: [{token, logprob, bytes, top_logprobs}])."""
+content: [{token, logprob, bytes, top_logprobs}]).
+
+One formatter answers one HTTP request, which may hold several prompts (a list of prompts on
+/v1/completions) of n choices each: choice `index` = prompt number x n + the Delta's index, as
+OpenAI and vLLM number them. `usage` counts every prompt once and every choice's tokens.
+"""
 
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
+from typing import Sequence
 
 from gateway.params import PreparedRequest
 from gateway.pipeline import Delta, TokenLogprob
@@ -18,25 +25,78 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else MIN_LOGPROB
 
 
-class OpenAIFormatter:
-    """Builds one request's response objects. Keeps the running text offset for completions'
-    `text_offset`, so feed it every Delta of the request in order."""
+@dataclass
+class _Choice:
+    """What the formatter keeps per choice."""
 
-    def __init__(self, prepared: PreparedRequest, tokenizer: Tokenizer,
-                 include_usage: bool = False) -> None:
-        self.prepared = prepared
+    index: int
+    echo: str = ""                  # prompt text still to put in front (completions' echo)
+    offset: int = 0                 # completions' text_offset so far
+    used: int = 0                   # completion tokens
+    finish: str | None = None
+    text: list[str] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    tools: object | None = None     # the tool-call output of a chat choice (gateway.tools)
+
+
+class ToolOutput:
+    """A chat choice's output read for tool calls (gateway.tools): streamed as content and call
+    deltas, or parsed whole into the message; decides finish_reason ("tool_calls")."""
+
+    def __init__(self, plan) -> None:
+        self.plan = plan
+        self.parser = plan.output_parser()
+        self.streamer = None
+        self.num_calls = 0
+
+    def feed(self, text: str, final: bool) -> list[dict]:
+        if self.streamer is None:
+            self.streamer = self.parser.streamer()
+        pieces = self.streamer.feed(text) if text else []
+        if final:
+            pieces += self.streamer.finish()
+        self.num_calls = len(self.streamer.tool_calls)
+        return pieces
+
+    def message(self, text: str) -> dict:
+        parsed = self.parser.parse(text)
+        self.num_calls = len(parsed.tool_calls)
+        return parsed.to_message()
+
+    def finish_reason(self, finish: str | None) -> str | None:
+        return self.plan.finish_reason(finish, self.num_calls)
+
+
+class OpenAIFormatter:
+    """Builds one HTTP request's response objects. Feed it every Delta, in order per choice,
+    with the number of the prompt it belongs to."""
+
+    def __init__(self, prepared: PreparedRequest | Sequence[PreparedRequest],
+                 tokenizer: Tokenizer, include_usage: bool = False,
+                 echo: Sequence[str] = (), tool_output=None) -> None:
+        """`echo`: per prompt, the text put in front of each of its choices (completions'
+        echo); `tool_output`: a factory of a choice's tool-call handling (chat with tools)."""
+        self.requests = [prepared] if isinstance(prepared, PreparedRequest) else list(prepared)
+        self.prepared = self.requests[0]
         self.tokenizer = tokenizer
         self.include_usage = include_usage
-        self.chat = prepared.kind == "chat"
-        self.id = ("chatcmpl-" if self.chat else "cmpl-") + prepared.request_id
+        self.chat = self.prepared.kind == "chat"
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + self.prepared.request_id
         self.created = int(time.time())
-        self._offset = 0
+        self.n = self.prepared.params.n
+        self._choices: dict[int, _Choice] = {}
+        for r in range(len(self.requests)):
+            for j in range(self.n):
+                i = r * self.n + j
+                self._choices[i] = _Choice(i, echo[r] if echo else "",
+                                           tools=tool_output() if tool_output else None)
 
     # ------------------------------------------------------------------ pieces
-    def usage(self, completion_tokens: int) -> dict:
-        prompt = self.prepared.num_prompt_tokens
-        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
-                "total_tokens": prompt + completion_tokens}
+    def usage(self) -> dict:
+        prompt = sum(r.num_prompt_tokens for r in self.requests)
+        done = sum(c.used for c in self._choices.values())
+        return {"prompt_tokens": prompt, "completion_tokens": done,
+                "total_tokens": prompt + done}
 
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created,
@@ -50,11 +110,11 @@ class OpenAIFormatter:
                 "top_logprobs": [{"token": tok.token_text(t), "logprob": _finite(v),
                                   "bytes": tok.token_bytes(t)} for t, v in lp.top[:top_n]]}
 
-    def _completion_logprobs(self, delta: Delta) -> dict:
+    def _completion_logprobs(self, choice: _Choice, delta: Delta) -> dict:
         tok = self.tokenizer
         top_n = self.prepared.params.top_logprobs
         tokens, offsets, tops = [], [], []
-        start, end = self._offset, self._offset + len(delta.text)
+        start, end = choice.offset, choice.offset + len(delta.text)
         for lp in delta.logprobs:
             text = tok.token_text(lp.token_id)
             tokens.append(text)
@@ -63,17 +123,25 @@ class OpenAIFormatter:
             top = {tok.token_text(t): _finite(v) for t, v in lp.top[:top_n]}
             top.setdefault(text, _finite(lp.logprob))
             tops.append(top)
+        choice.offset += len(delta.text)
         return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in delta.logprobs],
                 "top_logprobs": tops, "text_offset": offsets}
 
-    def _logprobs(self, delta: Delta) -> dict | None:
+    def _logprobs(self, choice: _Choice, delta: Delta) -> dict | None:
         if not self.prepared.params.logprobs:
             return None
         if self.chat:
             return {"content": [self._chat_logprob(lp) for lp in delta.logprobs]}
-        out = self._completion_logprobs(delta)
-        self._offset += len(delta.text)
-        return out
+        return self._completion_logprobs(choice, delta)
+
+    def _take(self, delta: Delta, prompt: int) -> tuple[_Choice, str]:
+        """The choice of a Delta, updated; the Delta's text with any echo in front."""
+        choice = self._choices[prompt * self.n + delta.index]
+        choice.used = delta.completion_tokens
+        if delta.finish_reason:
+            choice.finish = delta.finish_reason
+        text, choice.echo = choice.echo + delta.text, ""
+        return choice, text
 
     # ------------------------------------------------------------------ streaming
     def _chunk(self, choice: dict) -> dict:
@@ -83,59 +151,84 @@ class OpenAIFormatter:
             out["usage"] = None
         return out
 
-    def role_chunk(self) -> dict:
-        """Chat's first chunk: the assistant role with empty content."""
-        return self._chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None, "finish_reason": None})
+    def role_chunks(self) -> list[dict]:
+        """Chat's first chunks: the assistant role with empty content, one per choice."""
+        return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None})
+                for i in self._choices]
 
-    def delta_chunks(self, delta: Delta) -> list[dict]:
+    def role_chunk(self) -> dict:
+        return self.role_chunks()[0]
+
+    def delta_chunks(self, delta: Delta, prompt: int = 0) -> list[dict]:
         """The chunks for one Delta (none when it adds neither text nor logprobs nor a finish)."""
+        choice, text = self._take(delta, prompt)
         has_logprobs = self.prepared.params.logprobs and delta.logprobs
-        if not (delta.text or has_logprobs or delta.finish_reason):
+        if not (text or has_logprobs or delta.finish_reason):
             return []
-        logprobs = self._logprobs(delta)
+        logprobs = self._logprobs(choice, delta) if has_logprobs or text else None
         if not self.chat:
-            return [self._chunk({"index": 0, "text": delta.text, "logprobs": logprobs,
+            return [self._chunk({"index": choice.index, "text": text, "logprobs": logprobs,
                                  "finish_reason": delta.finish_reason})]
         chunks = []
-        if delta.text or has_logprobs:
-            chunks.append(self._chunk({"index": 0, "delta": {"content": delta.text},
-                                       "logprobs": logprobs, "finish_reason": None}))
+        pieces = ([{"content": text}] if choice.tools is None
+                  else choice.tools.feed(text, final=bool(delta.finish_reason)))
+        for k, piece in enumerate(pieces or ([{"content": ""}] if has_logprobs else [])):
+            chunks.append(self._chunk({"index": choice.index, "delta": piece,
+                                       "logprobs": logprobs if k == 0 else None,
+                                       "finish_reason": None}))
         if delta.finish_reason:
-            chunks.append(self._chunk({"index": 0, "delta": {}, "logprobs": None,
-                                       "finish_reason": delta.finish_reason}))
+            chunks.append(self._chunk({"index": choice.index, "delta": {}, "logprobs": None,
+                                       "finish_reason": self._finish(choice)}))
         return chunks
 
-    def usage_chunk(self, completion_tokens: int) -> dict:
+    def _finish(self, choice: _Choice) -> str | None:
+        if choice.tools is not None:
+            return choice.tools.finish_reason(choice.finish)
+        return choice.finish
+
+    def usage_chunk(self, completion_tokens: int | None = None) -> dict:
         """The last chunk when stream_options.include_usage: no choices, the usage."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         out = self._envelope(obj, [])
-        out["usage"] = self.usage(completion_tokens)
+        out["usage"] = self.usage()
+        if completion_tokens is not None and len(self._choices) == 1:
+            out["usage"]["completion_tokens"] = completion_tokens
+            out["usage"]["total_tokens"] = out["usage"]["prompt_tokens"] + completion_tokens
         return out
 
     # ------------------------------------------------------------------ full response
-    def response(self, deltas: list[Delta]) -> dict:
-        """The non-streaming response for all Deltas of the request."""
-        text = "".join(d.text for d in deltas)
-        finish = deltas[-1].finish_reason if deltas else None
-        used = deltas[-1].completion_tokens if deltas else 0
-        logprobs = self._merged_logprobs(deltas)
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": logprobs, "finish_reason": finish}
-            out = self._envelope("chat.completion", [choice])
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-            out = self._envelope("text_completion", [choice])
-        out["usage"] = self.usage(used)
+    def response(self, deltas: Sequence[Delta | tuple[int, Delta]]) -> dict:
+        """The non-streaming response for all Deltas of the request (Deltas, or (prompt
+        number, Delta) pairs for several prompts)."""
+        for item in deltas:
+            prompt, delta = item if isinstance(item, tuple) else (0, item)
+            choice, text = self._take(delta, prompt)
+            choice.text.append(text)
+            if self.prepared.params.logprobs:
+                choice.logprobs.append(self._logprobs(choice, delta))
+        choices = []
+        for choice in self._choices.values():
+            text = "".join(choice.text) + choice.echo
+            logprobs = self._merged_logprobs(choice)
+            if self.chat:
+                message = {"role": "assistant", "content": text}
+                if choice.tools is not None:
+                    message = choice.tools.message(text)
+                choices.append({"index": choice.index, "message": message,
+                                "logprobs": logprobs, "finish_reason": self._finish(choice)})
+            else:
+                choices.append({"index": choice.index, "text": text, "logprobs": logprobs,
+                                "finish_reason": choice.finish})
+        out = self._envelope("chat.completion" if self.chat else "text_completion", choices)
+        out["usage"] = self.usage()
         return out
 
-    def _merged_logprobs(self, deltas: list[Delta]) -> dict | None:
+    def _merged_logprobs(self, choice: _Choice) -> dict | None:
         if not self.prepared.params.logprobs:
             return None
-        parts = [self._logprobs(d) for d in deltas]
         merged: dict = {}
-        for part in parts:
+        for part in choice.logprobs:
             for key, values in part.items():
                 merged.setdefault(key, []).extend(values)
         if not merged:

@@ -5,6 +5,7 @@ checks, defaults and error messages live here, so the two front doors cannot dri
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import uuid
@@ -29,6 +30,8 @@ class Prompt:
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
     messages: tuple[dict, ...] | None = None
+    tools: tuple[dict, ...] | None = None      # chat: rendered with the messages
+    tool_parser: str = ""                      # the text form of calls (the default rendering)
 
     def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.text, self.token_ids, self.messages))
@@ -38,6 +41,30 @@ class Prompt:
     @property
     def kind(self) -> Literal["completion", "chat"]:
         return "chat" if self.messages is not None else "completion"
+
+
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+MAX_N = 16
+MAX_LOGIT_BIAS = 1024
+MAX_STOP_TOKEN_IDS = 64
+
+
+@dataclass(frozen=True)
+class Structured:
+    """A constraint on the output: `kind` one of STRUCTURED_KINDS; `value` the JSON schema (as
+    JSON text), the regex, the EBNF grammar, or for "choice" the strings. The decode and
+    prefill workers compile it (xgrammar); one they cannot compile fails the request with 400."""
+
+    kind: str
+    value: str | tuple[str, ...] = ""
+
+    def to_proto(self) -> pdserve_pb2.StructuredOutput:
+        if self.kind == "json_object":
+            return pdserve_pb2.StructuredOutput(json_object=True)
+        if self.kind == "choice":
+            return pdserve_pb2.StructuredOutput(
+                choice=pdserve_pb2.ChoiceList(choices=list(self.value)))
+        return pdserve_pb2.StructuredOutput(**{self.kind: self.value})
 
 
 @dataclass(frozen=True)
@@ -54,6 +81,19 @@ class RawParams:
     logprobs: bool = False
     top_logprobs: int = 0
     cache_salt: str | None = None
+    n: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: tuple[tuple[str, float], ...] = ()     # (token id as the client wrote it, bias)
+    min_tokens: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    echo: bool = False
+    structured: Structured | None = None
+    max_tokens_param: str = "max_tokens"    # the field the client set max_tokens with
 
 
 @dataclass(frozen=True)
@@ -69,12 +109,32 @@ class GenerationParams:
     ignore_eos: bool
     logprobs: bool
     top_logprobs: int
+    n: int = 1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    echo: bool = False
+    structured: Structured | None = None
 
     def to_proto(self) -> pdserve_pb2.SamplingParams:
-        return pdserve_pb2.SamplingParams(
+        msg = pdserve_pb2.SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
             max_tokens=self.max_tokens, ignore_eos=self.ignore_eos, stop=list(self.stop),
-            logprobs=self.logprobs, top_logprobs=self.top_logprobs)
+            logprobs=self.logprobs, top_logprobs=self.top_logprobs, min_p=self.min_p,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias),
+            min_tokens=self.min_tokens, stop_token_ids=list(self.stop_token_ids),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens, n=self.n)
+        if self.structured is not None:
+            msg.structured.CopyFrom(self.structured.to_proto())
+        return msg
 
 
 @dataclass(frozen=True)
@@ -97,17 +157,33 @@ class PreparedRequest:
 class ServedModel:
     name: str
     max_model_len: int
+    # the output bound of a request without max_tokens (0: the rest of the context), per
+    # deployment (`pdserve gateway --max-tokens-default`)
+    max_tokens_default: int = 0
+    tool_call_parser: str = ""       # `--tool-call-parser`: "" (tools refused), hermes, llama3_json
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("the served model name must not be empty")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.max_tokens_default < 0:
+            raise ValueError(f"max_tokens_default must be >= 0, got {self.max_tokens_default}")
 
 
 def _check_finite(value: float, param: str) -> None:
     if not math.isfinite(value):
         raise bad_request(f"{param} must be a finite number, got {value}", param)
+
+
+def _check_range(value: float | None, lo: float, hi: float, param: str,
+                 open_low: bool = False) -> None:
+    if value is None:
+        return
+    _check_finite(value, param)
+    if value < lo or value > hi or (open_low and value == lo):
+        where = f"({lo:g}, {hi:g}]" if open_low else f"[{lo:g}, {hi:g}]"
+        raise bad_request(f"{param} must be in {where}, got {value}", param)
 
 
 def _check_sampling(raw: RawParams) -> None:
@@ -126,7 +202,8 @@ def _check_sampling(raw: RawParams) -> None:
     if raw.seed is not None and not 0 <= raw.seed < SEED_LIMIT:
         raise bad_request(f"seed must be in [0, 2^64), got {raw.seed}", "seed")
     if raw.max_tokens is not None and raw.max_tokens < 1:
-        raise bad_request(f"max_tokens must be at least 1, got {raw.max_tokens}", "max_tokens")
+        raise bad_request(f"{raw.max_tokens_param} must be at least 1, got {raw.max_tokens}",
+                          raw.max_tokens_param)
     if not 0 <= raw.top_logprobs <= MAX_TOP_LOGPROBS:
         raise bad_request(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, "
                           f"got {raw.top_logprobs}", "top_logprobs")
@@ -135,6 +212,45 @@ def _check_sampling(raw: RawParams) -> None:
                           f"got {len(raw.stop)}", "stop")
     if any(not s for s in raw.stop):
         raise bad_request("stop strings must not be empty", "stop")
+    if raw.n is not None and not 1 <= raw.n <= MAX_N:
+        raise bad_request(f"n must be between 1 and {MAX_N}, got {raw.n}", "n")
+    _check_range(raw.min_p, 0.0, 1.0, "min_p")
+    _check_range(raw.presence_penalty, -2.0, 2.0, "presence_penalty")
+    _check_range(raw.frequency_penalty, -2.0, 2.0, "frequency_penalty")
+    _check_range(raw.repetition_penalty, 0.0, 2.0, "repetition_penalty", open_low=True)
+    if raw.min_tokens is not None and raw.min_tokens < 0:
+        raise bad_request(f"min_tokens must be >= 0, got {raw.min_tokens}", "min_tokens")
+    if len(raw.logit_bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got "
+                          f"{len(raw.logit_bias)}", "logit_bias")
+    if len(raw.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are supported, got "
+                          f"{len(raw.stop_token_ids)}", "stop_token_ids")
+    if raw.echo and raw.logprobs:
+        raise bad_request("echo with logprobs is not supported (it needs the prompt's "
+                          "logprobs, which pdserve does not compute); drop one of them", "echo")
+    if raw.structured is not None:
+        _check_structured(raw.structured)
+
+
+def _check_structured(st: Structured) -> None:
+    param = "structured_outputs"
+    if st.kind not in STRUCTURED_KINDS:
+        raise bad_request(f"unknown structured output kind {st.kind!r}; one of "
+                          f"{', '.join(STRUCTURED_KINDS)}", param)
+    if st.kind == "choice":
+        if not st.value or any(not isinstance(c, str) or not c for c in st.value):
+            raise bad_request("structured_outputs.choice must be a non-empty list of non-empty "
+                              "strings", param)
+    elif st.kind == "json_schema":
+        try:
+            schema = json.loads(st.value)
+        except ValueError as exc:
+            raise bad_request(f"the JSON schema is not valid JSON: {exc}", param) from None
+        if not isinstance(schema, (dict, bool)):
+            raise bad_request("a JSON schema must be a JSON object", param)
+    elif st.kind in ("regex", "grammar") and not st.value:
+        raise bad_request(f"structured_outputs.{st.kind} must not be empty", param)
 
 
 class RequestPreparer:
@@ -160,7 +276,9 @@ class RequestPreparer:
             if not prompt.messages:
                 raise bad_request("messages must not be empty", "messages")
             try:
-                return tuple(self.tokenizer.encode_chat(list(prompt.messages)))
+                return tuple(self.tokenizer.encode_chat(
+                    list(prompt.messages), tools=list(prompt.tools) if prompt.tools else None,
+                    tool_parser=prompt.tool_parser or None))
             except ChatTemplateError as exc:
                 raise bad_request(str(exc), "messages") from exc
         if prompt.text is not None:
@@ -179,6 +297,31 @@ class RequestPreparer:
                                   f"vocabulary range [0, {vocab})", "prompt")
         return tuple(ids)
 
+    def _vocab_ids(self, ids: Sequence[int], param: str) -> tuple[int, ...]:
+        vocab = self.tokenizer.vocab_size
+        for tok in ids:
+            if not 0 <= tok < vocab:
+                raise bad_request(f"{param}: token id {tok} is out of the vocabulary range "
+                                  f"[0, {vocab})", param)
+        return tuple(ids)
+
+    def _logit_bias(self, bias: Sequence[tuple[str, float]]) -> tuple[tuple[int, float], ...]:
+        """OpenAI's logit_bias: {"token id": bias in [-100, 100]}; ids must be in the vocabulary."""
+        out: dict[int, float] = {}
+        for key, value in bias:
+            try:
+                tok = int(key)
+            except (TypeError, ValueError):
+                raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
+                                  "logit_bias") from None
+            self._vocab_ids([tok], "logit_bias")
+            _check_finite(float(value), "logit_bias")
+            if not -100.0 <= value <= 100.0:
+                raise bad_request(f"logit_bias values must be in [-100, 100], got {value} for "
+                                  f"token {tok}", "logit_bias")
+            out[tok] = float(value)
+        return tuple(sorted(out.items()))
+
     def _max_tokens(self, raw: RawParams, kind: str, num_prompt: int) -> int:
         limit = self.served.max_model_len
         where = "messages" if kind == "chat" else "prompt"
@@ -186,14 +329,17 @@ class RequestPreparer:
             raise bad_request(f"This model's maximum context length is {limit} tokens, and your "
                               f"{where} has {num_prompt} tokens, which leaves no room for the "
                               f"completion. Please shorten the {where}.", where)
+        rest = limit - num_prompt
         if raw.max_tokens is None:
-            return DEFAULT_COMPLETION_MAX_TOKENS if kind == "completion" else limit - num_prompt
+            if kind == "completion":
+                return min(DEFAULT_COMPLETION_MAX_TOKENS, rest)
+            return min(self.served.max_tokens_default or rest, rest)
         if num_prompt + raw.max_tokens > limit:
             raise bad_request(f"This model's maximum context length is {limit} tokens. However, "
                               f"you requested {num_prompt + raw.max_tokens} tokens ({num_prompt} "
                               f"in the {where}, {raw.max_tokens} in the completion). Please "
                               f"reduce the length of the {where} or the completion.",
-                              "max_tokens")
+                              raw.max_tokens_param)
         return raw.max_tokens
 
     def prepare(self, prompt: Prompt, raw: RawParams, model: str | None = None,
@@ -201,14 +347,29 @@ class RequestPreparer:
         self.check_model(model)
         _check_sampling(raw)
         ids = self.prompt_ids(prompt)
+        max_tokens = self._max_tokens(raw, prompt.kind, len(ids))
+        min_tokens = raw.min_tokens or 0
+        if min_tokens > max_tokens:
+            raise bad_request(f"min_tokens ({min_tokens}) must not exceed the output's bound "
+                              f"({raw.max_tokens_param} = {max_tokens})", "min_tokens")
         params = GenerationParams(
-            max_tokens=self._max_tokens(raw, prompt.kind, len(ids)),
+            max_tokens=max_tokens,
             temperature=1.0 if raw.temperature is None else float(raw.temperature),
             top_p=1.0 if raw.top_p is None else float(raw.top_p),
             top_k=max(raw.top_k or 0, 0),
             seed=secrets.randbits(63) if raw.seed is None else raw.seed,
             stop=tuple(raw.stop), ignore_eos=raw.ignore_eos,
-            logprobs=raw.logprobs or raw.top_logprobs > 0, top_logprobs=raw.top_logprobs)
+            logprobs=raw.logprobs or raw.top_logprobs > 0, top_logprobs=raw.top_logprobs,
+            n=raw.n or 1, min_p=float(raw.min_p or 0.0),
+            presence_penalty=float(raw.presence_penalty or 0.0),
+            frequency_penalty=float(raw.frequency_penalty or 0.0),
+            repetition_penalty=(1.0 if raw.repetition_penalty is None
+                                else float(raw.repetition_penalty)),
+            logit_bias=self._logit_bias(raw.logit_bias), min_tokens=min_tokens,
+            stop_token_ids=self._vocab_ids(raw.stop_token_ids, "stop_token_ids"),
+            include_stop_str_in_output=raw.include_stop_str_in_output,
+            skip_special_tokens=raw.skip_special_tokens, echo=raw.echo,
+            structured=raw.structured)
         salt = raw.cache_salt or ""
         if len(salt) > MAX_CACHE_SALT:
             raise bad_request(f"cache_salt must be at most {MAX_CACHE_SALT} characters, got "

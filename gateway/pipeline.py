@@ -66,15 +66,17 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class Delta:
-    """What one step of a request adds. `token_ids` are the new tokens (EOS included, its text
-    never); `logprobs` has one entry per token when asked for; `finish_reason` is None until the
-    last Delta ("stop" or "length"); `completion_tokens` counts all tokens so far."""
+    """What one step of one choice of a request adds. `token_ids` are the new tokens (EOS
+    included, its text only with include_stop_str_in_output); `logprobs` has one entry per token
+    when asked for; `finish_reason` is None until the choice's last Delta ("stop" or "length");
+    `completion_tokens` counts the choice's tokens so far."""
 
     token_ids: tuple[int, ...]
     text: str
     logprobs: tuple[TokenLogprob, ...]
     finish_reason: str | None
-    completion_tokens: int
+    completion_tokens: int          # of this choice
+    index: int = 0                  # the choice (n > 1)
 
 
 class StopStrings:
@@ -84,8 +86,9 @@ class StopStrings:
     before the stop string. `flush()` returns the held-back tail at the natural end.
     """
 
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    def __init__(self, stops: tuple[str, ...], include: bool = False) -> None:
         self._stops = stops
+        self._include = include          # the stop string itself is emitted too
         self._pending = ""
 
     def _held_tail(self) -> int:
@@ -102,9 +105,12 @@ class StopStrings:
         if not self._stops:
             out, self._pending = self._pending, ""
             return out, False
-        hits = [i for i in (self._pending.find(s) for s in self._stops) if i >= 0]
+        hits = [(i, len(s)) for i, s in ((self._pending.find(s), s) for s in self._stops)
+                if i >= 0]
         if hits:
-            out, self._pending = self._pending[:min(hits)], ""
+            at, length = min(hits)
+            out = self._pending[:at + length] if self._include else self._pending[:at]
+            self._pending = ""
             return out, True
         keep = self._held_tail()
         cut = len(self._pending) - keep
@@ -119,22 +125,33 @@ class StopStrings:
 class _RequestText:
     """Per-request text state: incremental detokenizer + stop strings + token count."""
 
-    def __init__(self, tokenizer: Tokenizer, prepared: PreparedRequest) -> None:
-        self._eos = tokenizer.eos_token_ids
+    def __init__(self, tokenizer: Tokenizer, prepared: PreparedRequest, index: int = 0) -> None:
+        p = prepared.params
+        self._stop_ids = frozenset(p.stop_token_ids) | (
+            frozenset() if p.ignore_eos else tokenizer.eos_token_ids)
+        self._keep_stop = p.include_stop_str_in_output
         context = prepared.prompt_token_ids[-DETOKENIZER_CONTEXT:]
-        self._detok = tokenizer.detokenizer(context)
-        self._stops = StopStrings(prepared.params.stop)
+        self._detok = tokenizer.detokenizer(context, p.skip_special_tokens)
+        self._stops = StopStrings(p.stop, p.include_stop_str_in_output)
+        self._min_tokens = p.min_tokens
         self._count = 0
+        self.index = index
 
     def consume(self, batch: pdserve_pb2.TokenBatch) -> Delta:
         ids = tuple(batch.token_ids)
         self._count += len(ids)
         finish = batch.finish_reason or None
-        text_ids = ids[:-1] if finish == "stop" and ids and ids[-1] in self._eos else ids
+        text_ids = ids
+        if finish == "stop" and ids and ids[-1] in self._stop_ids and not self._keep_stop:
+            text_ids = ids[:-1]
         text = self._detok.add(text_ids)
         if finish:
             text += self._detok.flush()
-        text, stopped = self._stops.feed(text)
+        if self._count <= self._min_tokens and not finish:
+            stopped = False         # stop strings apply once min_tokens are out
+            text = self._stops.flush() + text
+        else:
+            text, stopped = self._stops.feed(text)
         if stopped:
             finish = "stop"
         elif finish:
@@ -142,16 +159,18 @@ class _RequestText:
         logprobs = tuple(TokenLogprob(lp.token_id, lp.logprob,
                                       tuple((t.token_id, t.logprob) for t in lp.top))
                          for lp in batch.logprobs)
-        return Delta(ids, text, logprobs, finish, self._count)
+        return Delta(ids, text, logprobs, finish, self._count, self.index)
 
 
 class _LatencyTimer:
-    """Feeds one request's TTFT, inter-token gaps and end-to-end time to the metrics."""
+    """Feeds one request's TTFT, inter-token gaps and end-to-end time to the metrics (finish
+    reasons per choice; the end-to-end time once, when its last choice ends)."""
 
-    def __init__(self, metrics: GatewayMetrics) -> None:
+    def __init__(self, metrics: GatewayMetrics, choices: int = 1) -> None:
         self.m = metrics
         self.start = self.last = time.perf_counter()
         self.first = True
+        self.open = choices             # the request ends with its last choice
 
     def delta(self, d: Delta) -> None:
         now = time.perf_counter()
@@ -166,15 +185,17 @@ class _LatencyTimer:
             self.m.generated.inc(len(d.token_ids))
             self.last = now
         if d.finish_reason:
-            self.m.e2e.observe(now - self.start)
             self.m.finished.labels(reason=d.finish_reason).inc()
+            self.open -= 1
+            if self.open == 0:
+                self.m.e2e.observe(now - self.start)
 
 
 def _worker_error(what: str, worker: WorkerInfo, exc: grpc.aio.AioRpcError) -> GatewayError:
     code = exc.code()
     message = f"{what} worker {worker.id} at {worker.address} failed: {code.name}: {exc.details()}"
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return GatewayError(message, status=400)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:     # the request's fault: the worker's words
+        return GatewayError(exc.details() or message, status=400)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED):
         # the worker is gone, or (ABORTED) the KV transfer between the workers failed
         return GatewayError(message, status=503, code="worker_unavailable", retryable=True)
@@ -195,6 +216,7 @@ class Pipeline:
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = metrics or GatewayMetrics()
+        self._background: set[asyncio.Task] = set()
 
     async def generate(self, prepared: PreparedRequest) -> AsyncIterator[Delta]:
         """Yield the request's Deltas; the last one has finish_reason set.
@@ -206,7 +228,7 @@ class Pipeline:
         m = self.metrics
         m.in_flight.inc()
         m.prompt_tokens.inc(len(prepared.prompt_token_ids))
-        timer = _LatencyTimer(m)
+        timer = _LatencyTimer(m, prepared.params.n)
         try:
             async with contextlib.aclosing(self._generate(prepared)) as deltas:
                 async for delta in deltas:      # closing us closes the inner stream now
@@ -270,20 +292,41 @@ class Pipeline:
                     reservation = await self._reservation(call, decode_w)
                     prefill = asyncio.ensure_future(
                         self._prefill(prefill_w, prepared, rid, reservation, ticket))
-                state = _RequestText(self.tokenizer, prepared)
+                n = prepared.params.n
+                states = [_RequestText(self.tokenizer, prepared, i) for i in range(n)]
+                done: set[int] = set()
                 while True:
                     event = await self._next_event(call, decode_w, prefill)
-                    delta = state.consume(event.tokens)
-                    if delta.finish_reason and event.tokens.finish_reason:
-                        await self._finish_prefill(prefill)
-                    yield delta
+                    index = event.tokens.index
+                    if index in done or index >= n:
+                        continue                 # a choice stopped here: its last outputs
+                    delta = states[index].consume(event.tokens)
                     if delta.finish_reason:
+                        done.add(index)
+                        if len(done) == n and event.tokens.finish_reason:
+                            await self._finish_prefill(prefill)
+                        elif len(done) < n and not event.tokens.finish_reason:
+                            self._stop_choice(decode_w, rid, index)   # a stop string
+                    yield delta
+                    if len(done) == n:
                         return
             finally:
                 call.cancel()
                 _discard(prefill)
                 if ticket is not None:
                     ticket.release()
+
+    def _stop_choice(self, worker: WorkerInfo, rid: str, index: int) -> None:
+        """Abort one choice on the decode worker (it hit a stop string; the others go on)."""
+        stub = pdserve_pb2_grpc.DecodeWorkerStub(self.router.channel(worker.address))
+
+        async def run():
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await stub.Abort(pdserve_pb2.AbortRequest(request_id=rid, choice=index),
+                                 timeout=5.0)
+        task = asyncio.ensure_future(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _failed(self, what: str, worker: WorkerInfo, exc: grpc.aio.AioRpcError) -> GatewayError:
         if exc.code() == grpc.StatusCode.UNAVAILABLE:

@@ -1,19 +1,27 @@
 """Request models of the OpenAI-compatible REST API (pydantic v2) and their translation into the
 shared `Prompt` + `RawParams` (see params.py). Unknown fields are refused (extra="forbid").
 
-Accepted but limited, as the OpenAI fields go: n (only 1), echo (only false), presence_penalty
-and frequency_penalty (only 0), `user` (ignored). Anything else in the range checks is shared with
-the gRPC front door and lives in params.py.
+Beyond OpenAI's fields, vLLM's sampling extensions are accepted (top_k, min_p,
+repetition_penalty, min_tokens, stop_token_ids, include_stop_str_in_output,
+skip_special_tokens, ignore_eos, structured_outputs and its older guided_* spellings), so
+clients written for vLLM work unchanged. Accepted but limited: best_of (only = n),
+use_beam_search (only false), suffix (only none); `user` is an end-user id for the caller's
+records and changes nothing. Range checks shared with the gRPC front door live in params.py.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Union
+import json
+from dataclasses import replace
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, StrictInt
 
 from gateway.errors import GatewayError, bad_request
-from gateway.params import MAX_TOP_LOGPROBS, Prompt, RawParams
+from gateway.params import MAX_TOP_LOGPROBS, Prompt, RawParams, Structured
+from gateway.tools import check_tools
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class _Strict(BaseModel):
@@ -24,26 +32,102 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(_Strict):
     role: str
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, list[dict], None] = None
     name: str | None = None
+    tool_calls: list[dict] | None = None       # assistant
+    tool_call_id: str | None = None            # tool
 
-    def as_template_dict(self) -> dict:
-        """{"role", "content": str} (text parts joined by newlines), plus name when given."""
+    def as_template_dict(self, index: int) -> dict:
+        """{"role", "content": str} (text parts joined by newlines), plus name / tool fields
+        when given; raises GatewayError (400) naming the field for what the model cannot take."""
+        where = f"messages[{index}]"
+        if self.role not in CHAT_ROLES:
+            raise bad_request(f"unknown role {self.role!r} in {where}; one of "
+                              f"{', '.join(CHAT_ROLES)}", f"{where}.role")
         if isinstance(self.content, list):
-            content = "\n".join(part.text for part in self.content)
+            texts = []
+            for j, part in enumerate(self.content):
+                kind = part.get("type")
+                if kind != "text":
+                    raise bad_request(f"content part type {kind!r} is not supported: this model "
+                                      "takes text only", f"{where}.content[{j}].type")
+                if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                    raise bad_request("a text content part is {\"type\": \"text\", \"text\": "
+                                      "string}", f"{where}.content[{j}]")
+                texts.append(part["text"])
+            content = "\n".join(texts)
         else:
             content = self.content or ""
-        out = {"role": self.role, "content": content}
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise bad_request(f"{where} has no content", f"{where}.content")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise bad_request("only assistant messages carry tool_calls", f"{where}.tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise bad_request("a tool message needs tool_call_id", f"{where}.tool_call_id")
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": content}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls is not None:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json_: Union[dict, str, None] = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True,
+                              alias_generator=lambda name: "json" if name == "json_" else name)
+
+    def to_structured(self) -> Structured:
+        given = {k: v for k, v in (("json_schema", self.json_), ("regex", self.regex),
+                                   ("choice", self.choice), ("grammar", self.grammar),
+                                   ("json_object", self.json_object or None)) if v is not None}
+        if len(given) != 1:
+            raise bad_request("structured_outputs takes exactly one of json, regex, choice, "
+                              f"grammar, json_object; got {len(given)}", "structured_outputs")
+        kind, value = next(iter(given.items()))
+        if kind == "json_schema":
+            return Structured(kind, value if isinstance(value, str)
+                              else json.dumps(value, ensure_ascii=False))
+        if kind == "choice":
+            return Structured(kind, tuple(value))
+        return Structured(kind, "" if kind == "json_object" else value)
+
+
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = None
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True,
+                              alias_generator=lambda name: "schema" if name == "schema_" else name)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def to_structured(self) -> Structured | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return Structured("json_object")
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise bad_request("response_format of type json_schema needs json_schema.schema",
+                              "response_format.json_schema")
+        return Structured("json_schema", json.dumps(self.json_schema.schema_, ensure_ascii=False))
 
 
 class _CommonRequest(_Strict):
@@ -52,67 +136,126 @@ class _CommonRequest(_Strict):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: Union[str, list[str], None] = None
+    stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     ignore_eos: bool = False
+    min_tokens: int | None = None
     n: int | None = None
+    best_of: int | None = None
+    use_beam_search: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Union[dict, str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def _check_unsupported(self) -> None:
-        if self.n is not None and self.n != 1:
-            raise bad_request(f"only n=1 is supported, got n={self.n}", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0, 0.0):
-                raise bad_request(f"{name} is not supported; only 0 is accepted, got {value}",
-                                  name)
+    def _check_common(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true",
+                              "stream_options")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise bad_request(f"best_of other than n is not supported, got best_of="
+                              f"{self.best_of} with n={self.n or 1}", "best_of")
+        if self.use_beam_search:
+            raise bad_request("beam search is not supported", "use_beam_search")
+
+    def _structured(self) -> Structured | None:
+        forms = []
+        if self.response_format is not None:
+            st = self.response_format.to_structured()
+            if st is not None:
+                forms.append(("response_format", st))
+        if self.structured_outputs is not None:
+            forms.append(("structured_outputs", self.structured_outputs.to_structured()))
+        guided = {"guided_json": self.guided_json, "guided_regex": self.guided_regex,
+                  "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar}
+        for name, value in guided.items():
+            if value is None:
+                continue
+            if name == "guided_json":
+                st = Structured("json_schema", value if isinstance(value, str)
+                                else json.dumps(value, ensure_ascii=False))
+            elif name == "guided_choice":
+                st = Structured("choice", tuple(value))
+            else:
+                st = Structured(name.removeprefix("guided_"), value)
+            forms.append((name, st))
+        if len(forms) > 1:
+            raise bad_request(f"give one output constraint, not {len(forms)} ("
+                              f"{', '.join(n for n, _ in forms)})", forms[1][0])
+        return forms[0][1] if forms else None
 
     def _stop(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
-    def _raw(self, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> RawParams:
+    def _raw(self, max_tokens: int | None, logprobs: bool, top_logprobs: int,
+             max_tokens_param: str = "max_tokens", echo: bool = False) -> RawParams:
         return RawParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                          top_k=self.top_k, seed=self.seed, stop=self._stop(),
                          ignore_eos=self.ignore_eos, logprobs=logprobs,
-                         top_logprobs=top_logprobs, cache_salt=self.cache_salt)
+                         top_logprobs=top_logprobs, cache_salt=self.cache_salt, n=self.n,
+                         min_p=self.min_p, presence_penalty=self.presence_penalty,
+                         frequency_penalty=self.frequency_penalty,
+                         repetition_penalty=self.repetition_penalty,
+                         logit_bias=tuple((self.logit_bias or {}).items()),
+                         min_tokens=self.min_tokens,
+                         stop_token_ids=tuple(self.stop_token_ids or ()),
+                         include_stop_str_in_output=self.include_stop_str_in_output,
+                         skip_special_tokens=self.skip_special_tokens, echo=echo,
+                         structured=self._structured(), max_tokens_param=max_tokens_param)
 
 
 class CompletionRequest(_CommonRequest):
-    """POST /v1/completions. `logprobs` is the number of top alternatives (0..20) per token."""
+    """POST /v1/completions. `logprobs` is the number of top alternatives (0..20) per token.
+    `prompt` may be a list of prompts (strings or token lists): one choice per prompt (n each)."""
 
     prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
     logprobs: int | None = None
     echo: bool | None = False
+    suffix: str | None = None
 
-    def to_shared(self) -> tuple[Prompt, RawParams]:
-        """The shared prompt and raw parameters; raises GatewayError (400) on what only the
-        completions API can get wrong (batch prompts, n, echo, penalties)."""
-        self._check_unsupported()
-        if self.echo:
-            raise bad_request("echo is not supported; only echo=false is accepted", "echo")
+    def prompts(self) -> list[Prompt]:
+        """The prompts of the request, in order (one for a string or a token list)."""
         if isinstance(self.prompt, str):
-            prompt = Prompt(text=self.prompt)
-        elif self.prompt and not isinstance(self.prompt[0], int):
-            raise bad_request("batched prompts (a list of strings or of token lists) are not "
-                              "supported; send one prompt per request", "prompt")
-        else:
-            prompt = Prompt(token_ids=tuple(self.prompt))
+            return [Prompt(text=self.prompt)]
+        if not self.prompt:
+            return [Prompt(text="")]          # refused: "prompt must not be empty"
+        if isinstance(self.prompt[0], int):
+            return [Prompt(token_ids=tuple(self.prompt))]
+        return [Prompt(text=p) if isinstance(p, str) else Prompt(token_ids=tuple(p))
+                for p in self.prompt]
+
+    def to_shared(self) -> tuple[list[Prompt], RawParams]:
+        """The shared prompts and raw parameters; raises GatewayError (400) on what only the
+        completions API can get wrong."""
+        self._check_common()
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix")
         lp = self.logprobs
         if lp is not None and not 0 <= lp <= MAX_TOP_LOGPROBS:
             raise bad_request(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {lp}",
                               "logprobs")
-        return prompt, self._raw(self.max_tokens, lp is not None, lp or 0)
+        return self.prompts(), self._raw(self.max_tokens, lp is not None, lp or 0,
+                                         echo=bool(self.echo))
 
 
 class ChatCompletionRequest(_CommonRequest):
@@ -122,21 +265,39 @@ class ChatCompletionRequest(_CommonRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: Union[str, dict, None] = None
+    parallel_tool_calls: bool | None = None
 
-    def to_shared(self) -> tuple[Prompt, RawParams]:
-        self._check_unsupported()
+    def tool_plan(self, parser: str):
+        """The request's tool calling, validated (gateway.tools.ToolPlan)."""
+        return check_tools(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
+
+    def to_shared(self, plan=None) -> tuple[list[Prompt], RawParams]:
+        """`plan`: the request's tool_plan (None: no tools)."""
+        self._check_common()
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
         if not self.messages:
             raise bad_request("messages must not be empty", "messages")
-        prompt = Prompt(messages=tuple(m.as_template_dict() for m in self.messages))
+        tools = tuple(plan.template_tools) if plan is not None and plan.template_tools else None
+        prompt = Prompt(messages=tuple(m.as_template_dict(i)
+                                       for i, m in enumerate(self.messages)),
+                        tools=tools, tool_parser=plan.parser if plan is not None else "")
         max_tokens = (self.max_completion_tokens if self.max_completion_tokens is not None
                       else self.max_tokens)
-        param = "max_completion_tokens" if self.max_completion_tokens is not None else None
-        if max_tokens is not None and max_tokens < 1:
-            raise bad_request(f"{param or 'max_tokens'} must be at least 1, got {max_tokens}",
-                              param or "max_tokens")
-        return prompt, self._raw(max_tokens, bool(self.logprobs), self.top_logprobs or 0)
+        param = ("max_completion_tokens" if self.max_completion_tokens is not None
+                 else "max_tokens")
+        raw = self._raw(max_tokens, bool(self.logprobs), self.top_logprobs or 0, param)
+        schema = plan.schema() if plan is not None else None
+        if schema is not None:             # "required" / a named function: the call parses
+            if raw.structured is not None:
+                raise bad_request("tool_choice required or a named function already constrains "
+                                  "the output; drop response_format / structured_outputs",
+                                  "tool_choice")
+            raw = replace(raw, structured=Structured("json_schema",
+                                                     json.dumps(schema, ensure_ascii=False)))
+        return [prompt], raw
 
 
 def _loc(err: dict) -> list[str]:

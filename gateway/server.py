@@ -30,15 +30,19 @@ from pdserve.paths import resolve_model
 log = logging.getLogger(__name__)
 
 
-def served_model(model_dir: Path, name: str | None, max_model_len: int) -> ServedModel:
-    """The served name (default: the folder's name) and context limit (default: config.json's
-    max_position_embeddings)."""
+def served_model(model_dir: Path, name: str | None, max_model_len: int,
+                 max_tokens_default: int = 0, tool_call_parser: str | None = None) -> ServedModel:
+    """The served name (default: the folder's name), context limit (default: config.json's
+    max_position_embeddings), output bound of a chat request without max_tokens (0: the
+    context left) and tool-call parser (none: tools are refused)."""
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     limit = max_model_len or int(config.get("max_position_embeddings") or 0)
     if not limit:
         raise SystemExit(f"{model_dir}/config.json has no max_position_embeddings; "
                          "pass --max-model-len")
-    return ServedModel(name=name or model_dir.name, max_model_len=limit)
+    return ServedModel(name=name or model_dir.name, max_model_len=limit,
+                       max_tokens_default=max_tokens_default,
+                       tool_call_parser=tool_call_parser or "")
 
 
 class _Uvicorn(uvicorn.Server):
@@ -52,7 +56,8 @@ class _Uvicorn(uvicorn.Server):
 async def serve(args: argparse.Namespace) -> None:
     """Run the gateway until SIGINT/SIGTERM (or until the HTTP server stops)."""
     model_dir = resolve_model(args.model)
-    served = served_model(model_dir, args.served_model_name, args.max_model_len)
+    served = served_model(model_dir, args.served_model_name, args.max_model_len,
+                          args.max_tokens_default, args.tool_call_parser)
     preparer = RequestPreparer(Tokenizer(model_dir), served)
     metrics = GatewayMetrics()
     router = Router(args.redis_url, routing=args.routing, metrics=metrics)
@@ -74,9 +79,10 @@ async def serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, lambda: setattr(http, "should_exit", True))
     await router.start()
     await grpc_server.start()
-    log.info("gateway serving %s (max_model_len %d): REST http://%s:%d, gRPC %s:%d, redis %s",
-             served.name, served.max_model_len, args.host, args.http_port, args.host, grpc_port,
-             args.redis_url)
+    log.info("gateway serving %s (max_model_len %d, max_tokens_default %d, tool calls %s): "
+             "REST http://%s:%d, gRPC %s:%d, redis %s", served.name, served.max_model_len,
+             served.max_tokens_default, served.tool_call_parser or "off", args.host,
+             args.http_port, args.host, grpc_port, args.redis_url)
     try:
         await http.serve()
     finally:

@@ -21,6 +21,9 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from gateway.tools import (fallback_messages, has_tool_content, template_messages,
+                           template_uses_tools)
+
 REPLACEMENT_CHAR = "\ufffd"
 SPECIAL_TOKEN_VARS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -126,7 +129,10 @@ class Tokenizer:
     `encode(text)` matches transformers' `tokenizer(text)["input_ids"]` (special tokens in the
     text are recognised; the post-processor adds what it is configured to add).
     `render_chat(messages)` matches `apply_chat_template(messages, tokenize=False,
-    add_generation_prompt=True)`. Decoding skips special tokens and applies no clean-up.
+    add_generation_prompt=True)`, with `tools` too when the template uses them
+    (`supports_tools`); for a template that does not, tools and tool messages are rendered the
+    default way described in gateway/tools.py. Decoding skips special tokens and applies no
+    clean-up.
     """
 
     def __init__(self, model_dir: str | Path) -> None:
@@ -147,6 +153,8 @@ class Tokenizer:
         self.chat_template_source = _load_chat_template(model_dir, tok_config)
         self._template = (compile_chat_template(self.chat_template_source)
                           if self.chat_template_source else None)
+        # the template reads `tools` itself; else tools are rendered the default way
+        self.supports_tools = template_uses_tools(self.chat_template_source)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -166,30 +174,44 @@ class Tokenizer:
                 return [_BYTE_DECODER[ch] for ch in piece]
         return list(self.token_text(token_id).encode("utf-8"))
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text of a conversation; ChatTemplateError carries the template's message."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None, tool_parser: str | None = None) -> str:
+        """The prompt text of a conversation; ChatTemplateError carries the template's message.
+
+        `tools`: the OpenAI tool list ({"type": "function", "function": {...}}); messages may
+        carry assistant `tool_calls` and tool-role `tool_call_id`. `tool_parser` (the server's
+        --tool-call-parser) picks the text forms of the default rendering, which is used when
+        the template does not use tools (gateway/tools.py describes it)."""
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        tools = list(tools) if tools else None
+        if not self.supports_tools and (tools or has_tool_content(messages)):
+            messages, tools = fallback_messages(messages, tools, tool_parser), None
+        else:
+            messages = template_messages(messages)
         variables = {k: v for k, v in self.special_tokens.items() if v is not None}
         try:
-            return self._template.render(messages=messages, tools=None, documents=None,
+            return self._template.render(messages=messages, tools=tools, documents=None,
                                          add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"chat template error: {exc}") from exc
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    tool_parser: str | None = None) -> list[int]:
         """Token ids of a rendered conversation (the template already holds the special tokens)."""
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools=tools, tool_parser=tool_parser),
+                           add_special_tokens=False)
 
-    def detokenizer(self, context_ids: Sequence[int] = ()) -> "IncrementalDetokenizer":
-        return IncrementalDetokenizer(self, context_ids)
+    def detokenizer(self, context_ids: Sequence[int] = (),
+                    skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self, context_ids, skip_special_tokens)
 
 
 class IncrementalDetokenizer:
     """Per-request incremental decoding of generated tokens.
 
     Contract: the deltas returned by `add()` followed by `flush()` concatenate to the text of all
-    added ids decoded together (special tokens skipped). Text that ends in U+FFFD (an incomplete
+    added ids decoded together (special tokens skipped unless skip_special_tokens is false). Text that ends in U+FFFD (an incomplete
     UTF-8 character spread over several tokens) is held back until it completes, or until flush().
 
     Decoding works on a window `ids[prefix:]`: the text of `ids[prefix:read]` was already emitted,
@@ -198,8 +220,10 @@ class IncrementalDetokenizer:
     last prompt tokens) only seed that context; their text is never emitted.
     """
 
-    def __init__(self, tokenizer: Tokenizer, context_ids: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, context_ids: Sequence[int] = (),
+                 skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
+        self._skip = skip_special_tokens
         context = list(context_ids)
         context_text = tokenizer.decode(context) if context else ""
         if not context_text or context_text.endswith(REPLACEMENT_CHAR):
@@ -209,8 +233,8 @@ class IncrementalDetokenizer:
         self._read = len(context)
 
     def _window_texts(self) -> tuple[str, str]:
-        done = self._tok.decode(self._ids[self._prefix:self._read])
-        full = self._tok.decode(self._ids[self._prefix:])
+        done = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
+        full = self._tok.decode(self._ids[self._prefix:], self._skip)
         return done, full
 
     def add(self, ids: Iterable[int]) -> str:

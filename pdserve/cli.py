@@ -6,11 +6,39 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import shlex
 import sys
 
 from pdserve.paths import default_model_dir
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+ROLES = ("prefill", "decode", "gateway")
+WORKER_PORTS = {"prefill": 50061, "decode": 50071}
+ROLE_DESCRIPTIONS = {
+    "prefill": "Run a prefill worker: computes prompts' KV and first token, sends KV blocks to "
+               "decode workers.",
+    "decode": "Run a decode worker: receives KV blocks, generates tokens with continuous "
+              "batching.",
+    "gateway": "Run the gateway: OpenAI-compatible REST and the gRPC Generate API; discovers "
+               "workers in Redis.",
+}
+# Per-process plumbing: `pdserve up` sets these for each child itself (or leaves the child's
+# default); they are not `up` flags.
+WORKER_PLUMBING = frozenset({"--host", "--port", "--advertise-host", "--redis-url", "--worker-id",
+                             "--metrics-port"})
+GATEWAY_PLUMBING = frozenset({"--host", "--http-port", "--grpc-port", "--redis-url"})
+# Every child gets these from the `up` flag of the same name.
+SHARED_FLAGS = frozenset({"--model", "--served-model-name", "--log-level"})
+# Worker flags `up` defines itself, with a meaning of its own: --device also takes
+# PREFILL,DECODE and --gpu-memory-utilization 0 picks a share (launcher.place_workers);
+# --threads defaults to 1.
+UP_OWN_FLAGS = frozenset({"--device", "--gpu-memory-utilization", "--threads"})
+# Flags `--prefill-args` & co. may not set: `up` gives them to each child and relies on them
+# (health checks, discovery, one model everywhere). Each maps to the `up` flag to use instead.
+UP_SETS = {"--port": "--prefill-port/--decode-port", "--redis-url": "--redis-url",
+           "--http-port": "--http-port", "--grpc-port": "--grpc-port", "--model": "--model",
+           "--served-model-name": "--served-model-name"}
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
@@ -95,6 +123,196 @@ def _add_worker(p: argparse.ArgumentParser, role: str, port: int) -> None:
                    help="HTTP port of GET /metrics (Prometheus); default: gRPC port + 100; "
                         "0 turns it off")
     p.add_argument("--log-level", default="INFO")
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _add_gateway(p: argparse.ArgumentParser) -> None:
+    """The flags of `pdserve gateway`; `pdserve up` passes all but GATEWAY_PLUMBING through."""
+    _add_model(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--http-port", type=int, default=8000, help="REST port")
+    p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port")
+    p.add_argument("--redis-url", default=DEFAULT_REDIS_URL, help="Redis for worker discovery")
+    p.add_argument("--max-model-len", type=int, default=0,
+                   help="context length limit (0: the model's max_position_embeddings)")
+    p.add_argument("--routing", default="prefix", choices=["prefix", "load", "round-robin"],
+                   help="how workers are chosen: prefix (the prefill worker holding the longest "
+                        "cached prefix, weighed against its queue; Redis prefix directory), load "
+                        "(fewest requests in flight) or round-robin")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=0,
+                   help="prompts up to this many tokens are computed on the decode worker when "
+                        "the prefill worker is busy (conditional disaggregation; 0: never)")
+    p.add_argument("--local-prefill-queue", type=int, default=4,
+                   help="'busy': this gateway has at least this many prompts outstanding on the "
+                        "chosen prefill worker")
+    p.add_argument("--max-tokens-default", type=_non_negative_int, default=1024, metavar="N",
+                   help="output tokens of a chat request that gives no max_tokens/"
+                        "max_completion_tokens, capped by the context left; completions keep "
+                        "OpenAI's default of 16 (0: all the context left; default: 1024)")
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="how the model writes tool calls; tools are refused without one "
+                        "(default: none)")
+    p.add_argument("--log-level", default="INFO")
+
+
+def role_parser(role: str, parser_class: type = argparse.ArgumentParser
+                ) -> argparse.ArgumentParser:
+    """A standalone parser of `pdserve ROLE` (prefill, decode, gateway): the same definitions
+    as the subcommand's."""
+    p = parser_class(prog=f"pdserve {role}", description=ROLE_DESCRIPTIONS[role])
+    if role == "gateway":
+        _add_gateway(p)
+    else:
+        _add_worker(p, role, WORKER_PORTS[role])
+    return p
+
+
+def long_flag(action: argparse.Action) -> str:
+    return next(o for o in action.option_strings if o.startswith("--"))
+
+
+def passthrough_actions(role: str) -> list[argparse.Action]:
+    """The flags of `pdserve ROLE` that `pdserve up` takes and passes to that role: all but the
+    per-process plumbing, the shared flags and --help."""
+    skip = SHARED_FLAGS | (GATEWAY_PLUMBING if role == "gateway" else WORKER_PLUMBING)
+    return [a for a in role_parser(role)._actions
+            if a.option_strings and a.default is not argparse.SUPPRESS
+            and long_flag(a) not in skip]
+
+
+_WHERE = {("prefill",): "prefill worker only", ("decode",): "decode worker only",
+          ("prefill", "decode", "gateway"): "both workers and the gateway"}
+
+
+def _up_help(action: argparse.Action, defaults: dict[str, object]) -> str:
+    """The role's help, plus where the flag goes unless it is both workers (or the gateway
+    alone) and each role's default, since `up` itself has none."""
+    notes = [_WHERE[tuple(defaults)]] if tuple(defaults) in _WHERE else []
+    text = action.help or ""
+    if action.nargs != 0 and "default" not in text:
+        shown = dict.fromkeys(str(d) for d in defaults.values())
+        if len(shown) > 1:
+            notes.append("default: " + ", ".join(f"{r} {d}" for r, d in defaults.items()))
+        elif defaults and next(iter(defaults.values())) is not None:
+            notes.append(f"default: {next(iter(shown))}")
+    if not notes:
+        return text
+    return f"{text} ({'; '.join(notes).replace('%', '%%')})".lstrip()
+
+
+def _add_passthrough(workers, gateway) -> None:
+    """Register on `up` the passthrough flags of the three roles, from the roles' own
+    definitions, each with default None: launcher passes only the flags given, so every child
+    keeps its own defaults. A flag several roles have is one `up` flag, passed to each."""
+    found: dict[str, tuple[argparse.Action, dict[str, object]]] = {}
+    for role in ROLES:
+        for action in passthrough_actions(role):
+            found.setdefault(long_flag(action), (action, {}))[1][role] = action.default
+    for flag, (action, defaults) in found.items():
+        if flag in UP_OWN_FLAGS:
+            continue
+        if action.nargs == 0:           # store_true / store_false
+            kind = dict(action="store_const", const=action.const)
+        elif action.nargs is None:
+            kind = dict(type=action.type, choices=action.choices, metavar=action.metavar)
+        else:
+            raise ValueError(f"pdserve up cannot pass {flag} (nargs={action.nargs!r}) through")
+        group = gateway if tuple(defaults) == ("gateway",) else workers
+        group.add_argument(*action.option_strings, dest=action.dest, default=None,
+                           help=_up_help(action, defaults), **kind)
+
+
+class _CheckingParser(argparse.ArgumentParser):
+    """A role's parser that raises its error message instead of exiting."""
+
+    def error(self, message: str):
+        raise argparse.ArgumentTypeError(f"{self.prog}: {message}")
+
+
+_UNSET = object()
+
+
+def check_role_args(role: str, tokens: list[str]) -> None:
+    """Parse TOKENS with `pdserve ROLE`'s own parser; argparse.ArgumentTypeError with that
+    parser's message when they do not parse or set a flag `up` gives every child (UP_SETS)."""
+    parser = role_parser(role, _CheckingParser)
+    owned = [a for a in parser._actions if a.option_strings and long_flag(a) in UP_SETS]
+    # argparse leaves attributes already on the namespace alone: those still _UNSET were not given
+    ns = parser.parse_args(tokens, argparse.Namespace(**{a.dest: _UNSET for a in owned}))
+    for action in owned:
+        if getattr(ns, action.dest) is not _UNSET:
+            flag = long_flag(action)
+            raise argparse.ArgumentTypeError(
+                f"{flag} is set by pdserve up for each process; use pdserve up {UP_SETS[flag]}")
+
+
+def _role_args(role: str):
+    """argparse type of `--ROLE-args`: the shlex-split flags, checked with the role's parser."""
+
+    def parse(text: str) -> list[str]:
+        try:
+            tokens = shlex.split(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"cannot split {text!r}: {exc}") from None
+        check_role_args(role, tokens)
+        return tokens
+
+    return parse
+
+
+def _add_up(sub) -> None:
+    up = sub.add_parser(
+        "up", help="start redis, prefill, decode and gateway locally",
+        description="Start the local stack as separate processes: Redis (a local redis-server "
+                    "unless --redis-url is given), one prefill worker, one decode worker and the "
+                    "gateway. Ctrl-C stops them all. Every flag of `pdserve prefill`, `pdserve "
+                    "decode` and `pdserve gateway` but the per-process ones (host, ports, Redis, "
+                    "worker id) is an `up` flag too; --prefill-args, --decode-args and "
+                    "--gateway-args add flags to one process.")
+    _add_model(up)
+    up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    up.add_argument("--redis-port", type=int, default=6379, help="port of the local redis-server")
+    up.add_argument("--http-port", type=int, default=8000, help="gateway REST port")
+    up.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port")
+    up.add_argument("--prefill-port", type=int, default=WORKER_PORTS["prefill"],
+                    help="prefill worker gRPC port")
+    up.add_argument("--decode-port", type=int, default=WORKER_PORTS["decode"],
+                    help="decode worker gRPC port")
+    up.add_argument("--log-level", default="INFO", help="log level of every process")
+    workers = up.add_argument_group(
+        "workers", "Passed to both workers unless marked; each means what it means in `pdserve "
+                   "prefill -h` / `pdserve decode -h`. A flag not given keeps the worker's "
+                   "default.")
+    workers.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    workers.add_argument("--device", default="cpu",
+                         help="cpu, cuda (the prefill worker on GPU 0, the decode worker on GPU 1 "
+                              "when there are two, else both on GPU 0 sharing its memory), or "
+                              "PREFILL_DEVICE,DECODE_DEVICE (e.g. cuda:0,cuda:1)")
+    workers.add_argument("--gpu-memory-utilization", type=float, default=0.0,
+                         help="share of its GPU's memory each worker may use (0: 0.9, or 0.45 "
+                              "when both workers share one GPU)")
+    gateway = up.add_argument_group(
+        "gateway", "Passed to the gateway (see `pdserve gateway -h`). A flag not given keeps "
+                   "the gateway's default.")
+    _add_passthrough(workers, gateway)
+    extra = up.add_argument_group(
+        "flags for one process",
+        "Shell-quoted flags appended to one process's command line after the shared ones, so "
+        "they override them (the last occurrence of a flag wins), e.g. "
+        "--decode-args='--device cuda:1 --max-num-seqs 64'. Write them with '=' (the value "
+        "starts with '-'). They are checked with that process's own parser before anything "
+        "starts; its port, Redis and model stay `up`'s.")
+    for role, who in (("prefill", "the prefill worker"), ("decode", "the decode worker"),
+                      ("gateway", "the gateway")):
+        extra.add_argument(f"--{role}-args", type=_role_args(role), default=(), metavar="FLAGS",
+                           help=f"extra flags of {who} (see `pdserve {role} -h`)")
+    up.set_defaults(target="pdserve.launcher:main")
 
 
 class _DefaultsFormatter(argparse.RawDescriptionHelpFormatter):
@@ -270,8 +488,51 @@ def _add_stepbench(sub) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="attention kernels")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--structured", default="off", choices=["off", "json"],
+                   help="json: every sequence follows a JSON-schema grammar; the report adds "
+                        "the grammar masks' time per step")
     p.add_argument("--out", default=None, help="JSON file for the figures")
     p.set_defaults(target="pdserve.bench.stepbench:main")
+
+
+def _add_choicebench(sub) -> None:
+    p = sub.add_parser(
+        "choicebench", help="one request of n choices against n separate requests",
+        formatter_class=_DefaultsFormatter,
+        description="For fresh random prompts: one completion with n choices, then n "
+                    "concurrent completions of the same prompt; output tokens/s of each and, "
+                    "with --prefill-metrics, the prompt tokens and KV transfers of each on the "
+                    "prefill worker.")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the gateway")
+    p.add_argument("--model", default=None, help="served model name (default: /v1/models)")
+    p.add_argument("--tokenizer", default=None,
+                   help=f"model folder for the prompts' tokens (default: {default_model_dir()})")
+    p.add_argument("--n", type=int, default=4, help="choices")
+    p.add_argument("--rounds", type=int, default=4, help="prompts, each measured both ways")
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens")
+    p.add_argument("--output-len", type=int, default=64, help="tokens per choice")
+    p.add_argument("--prefill-metrics", default=None, metavar="URL",
+                   help="a prefill worker's /metrics, e.g. http://127.0.0.1:50161/metrics")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    p.add_argument("--out", default=None, help="JSON file for the figures")
+    p.set_defaults(target="pdserve.bench.choicebench:main")
+
+
+def _add_grammarbench(sub) -> None:
+    from pdserve.bench.grammarbench import ENGINES
+
+    p = sub.add_parser(
+        "grammarbench", help="structured-output engines on the model's vocabulary",
+        formatter_class=_DefaultsFormatter,
+        description="Compile time and per-token mask / accept cost of xgrammar (what the "
+                    "workers use), llguidance and outlines-core (when installed) on a nested "
+                    "JSON schema, regexes and a choice, with the model's tokenizer.")
+    p.add_argument("--model", default=None,
+                   help=f"model folder (default: {default_model_dir()})")
+    p.add_argument("--engines", default=",".join(ENGINES), help="comma list")
+    p.add_argument("--repeat", type=int, default=5, help="compiles and walks per case")
+    p.add_argument("--out", default=None, help="JSON file for the figures")
+    p.set_defaults(target="pdserve.bench.grammarbench:main")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -290,79 +551,26 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--force", action="store_true", help="convert again even if present")
     fetch.set_defaults(target="pdserve.modelfetch:main")
 
-    up = sub.add_parser("up", help="start redis, prefill, decode and gateway locally",
-                        description="Start the local stack as separate processes: Redis (a local "
-                                    "redis-server unless --redis-url is given), one prefill worker,"
-                                    " one decode worker and the gateway. Ctrl-C stops them all.")
-    _add_model(up)
-    up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
-    up.add_argument("--redis-port", type=int, default=6379, help="port of the local redis-server")
-    up.add_argument("--http-port", type=int, default=8000, help="gateway REST port")
-    up.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port")
-    up.add_argument("--prefill-port", type=int, default=50061, help="prefill worker gRPC port")
-    up.add_argument("--decode-port", type=int, default=50071, help="decode worker gRPC port")
-    up.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    up.add_argument("--device", default="cpu",
-                    help="cpu, cuda (the prefill worker on GPU 0, the decode worker on GPU 1 when "
-                         "there are two, else both on GPU 0 sharing its memory), or "
-                         "PREFILL_DEVICE,DECODE_DEVICE (e.g. cuda:0,cuda:1)")
-    up.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                    help="model dtype (auto: bfloat16 on CUDA, float32 elsewhere)")
-    up.add_argument("--kv-cache-gib", type=float, default=0.0,
-                    help="KV pool per worker in GiB (0: 1 GiB on CPUs; on CUDA sized from "
-                         "--gpu-memory-utilization)")
-    up.add_argument("--gpu-memory-utilization", type=float, default=0.0,
-                    help="share of its GPU's memory each worker may use (0: 0.9, or 0.45 when "
-                         "both workers share one GPU)")
-    up.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
-                    help="attention kernels of both workers (see `pdserve decode -h`)")
-    up.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    up.add_argument("--speculative", default="off", metavar="off|ngram|draft:PATH",
-                    help="speculative decoding on the decode worker (see `pdserve decode -h`)")
-    up.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
-                    help="turn the workers' prefix caches off")
-    up.add_argument("--log-level", default="INFO")
-    up.set_defaults(target="pdserve.launcher:main")
+    _add_up(sub)
 
     gw = sub.add_parser("gateway", help="run the gateway (REST + gRPC front door)",
-                        description="Run the gateway: OpenAI-compatible REST and the gRPC "
-                                    "Generate API; discovers workers in Redis.")
-    _add_model(gw)
-    gw.add_argument("--host", default="127.0.0.1", help="address to bind")
-    gw.add_argument("--http-port", type=int, default=8000, help="REST port")
-    gw.add_argument("--grpc-port", type=int, default=50051, help="gRPC port")
-    gw.add_argument("--redis-url", default=DEFAULT_REDIS_URL, help="Redis for worker discovery")
-    gw.add_argument("--max-model-len", type=int, default=0,
-                    help="context length limit (0: the model's max_position_embeddings)")
-    gw.add_argument("--routing", default="prefix", choices=["prefix", "load", "round-robin"],
-                    help="how workers are chosen: prefix (the prefill worker holding the longest "
-                         "cached prefix, weighed against its queue; Redis prefix directory), load "
-                         "(fewest requests in flight) or round-robin")
-    gw.add_argument("--local-prefill-max-tokens", type=int, default=0,
-                    help="prompts up to this many tokens are computed on the decode worker when "
-                         "the prefill worker is busy (conditional disaggregation; 0: never)")
-    gw.add_argument("--local-prefill-queue", type=int, default=4,
-                    help="'busy': this gateway has at least this many prompts outstanding on the "
-                         "chosen prefill worker")
-    gw.add_argument("--log-level", default="INFO")
+                        description=ROLE_DESCRIPTIONS["gateway"])
+    _add_gateway(gw)
     gw.set_defaults(target="gateway.server:main")
 
-    pf = sub.add_parser("prefill", help="run a prefill worker",
-                        description="Run a prefill worker: computes prompts' KV and first token, "
-                                    "sends KV blocks to decode workers.")
-    _add_worker(pf, "prefill", 50061)
-    pf.set_defaults(target="prefill_service.server:main")
-
-    dc = sub.add_parser("decode", help="run a decode worker",
-                        description="Run a decode worker: receives KV blocks, generates tokens "
-                                    "with continuous batching.")
-    _add_worker(dc, "decode", 50071)
-    dc.set_defaults(target="decode_service.server:main")
+    for role, target in (("prefill", "prefill_service.server:main"),
+                         ("decode", "decode_service.server:main")):
+        worker = sub.add_parser(role, help=f"run a {role} worker",
+                                description=ROLE_DESCRIPTIONS[role])
+        _add_worker(worker, role, WORKER_PORTS[role])
+        worker.set_defaults(target=target)
 
     _add_bench(sub)
     _add_kvbench(sub)
     _add_linearbench(sub)
     _add_stepbench(sub)
+    _add_grammarbench(sub)
+    _add_choicebench(sub)
     _add_baseline(sub)
     return parser
 

@@ -14,6 +14,9 @@ files: random weights, no network). Prints one summary table:
                1,024-token contexts, eager and with CUDA graphs, against the bandwidth floor:
                (weight bytes + KV bytes read) / measured device copy bandwidth
   prefill      a 2,048-token prompt: tokens/s and the share of the measured bf16 matmul peak
+  sampler      the batched sampler with logits processing (logit_bias, min_tokens, penalties,
+               grammar bitmasks, min-p / top-k / top-p) on the device against the per-row
+               reference on the same logits, and its time per step at 256 rows
   kv transfer  KV blocks device -> host bytes -> device through the grpc transport's staging
                (kvtransfer.staging), and through the whole grpc transport when its generated
                proto code is importable
@@ -402,6 +405,67 @@ def decode_and_prefill(report: Report, device: str, quick: bool) -> None:
 
 
 # ---------------------------------------------------------------------------- KV transfer
+def sampler_check(report: Report, device: str, quick: bool) -> None:
+    """Batched processing + sampling on the device vs the per-row reference (engine.sampler)."""
+    import random
+
+    import torch
+
+    from engine.request import SamplingParams
+    from engine.sampler import RowSampling, _filter, draw, process_row, sample, uniform
+    from engine.structured import apply_bitmask, new_bitmask
+
+    dev = torch.device(device)
+    rows, vocab = (16, 512) if quick else (256, 49152)
+    rng = random.Random(0)
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).to(dev)
+    eos = (2,)
+    specs = []
+    for r in range(rows):
+        bias = tuple((rng.randrange(vocab), rng.choice([-100.0, 5.0])) for _ in range(4))
+        out = [rng.randrange(vocab) for _ in range(rng.randrange(40))]
+        p = SamplingParams(temperature=0.0 if r % 4 == 0 else rng.choice([0.7, 1.0]),
+                           seed=r, top_k=rng.choice([0, 50]), top_p=rng.choice([1.0, 0.9]),
+                           min_p=rng.choice([0.0, 0.05]), presence_penalty=0.5,
+                           frequency_penalty=rng.choice([0.0, 0.7]),
+                           repetition_penalty=rng.choice([1.0, 1.2]), logit_bias=bias,
+                           min_tokens=rng.choice([0, 100]), max_tokens=200)
+        specs.append(RowSampling(p, len(out), output=out, prompt=out[:5]))
+    toks, _ = sample(logits, [], [], rows=specs, eos_token_ids=eos)
+    greedy_ok = drawn_ok = drawn = 0
+    for r, (row, tok) in enumerate(zip(specs, toks)):
+        ref = process_row(logits[r], row.params, row.output, row.prompt, eos)
+        p = row.params
+        if p.greedy:
+            greedy_ok += tok == int(ref.argmax())
+        else:
+            drawn += 1
+            want = draw(_filter(ref / p.temperature, p.top_k, p.top_p, p.min_p).softmax(-1),
+                        uniform(p.seed, row.index))
+            drawn_ok += tok == want
+    greedy = rows - drawn
+    report.add("sampler", f"{rows} rows x {vocab} vocab vs per-row reference",
+               f"greedy {greedy_ok}/{greedy}, drawn {drawn_ok}/{drawn} equal",
+               "greedy all, drawn >= 99%", greedy_ok == greedy and drawn_ok >= 0.99 * drawn)
+    mask = new_bitmask(rows, vocab)
+    mask[:, ::3] = torch.randint(-2**31, 2**31 - 1, mask[:, ::3].shape, generator=gen,
+                                 dtype=torch.int32)
+    a, b = logits.clone(), logits.cpu().clone()
+    apply_bitmask(a, mask.to(dev))
+    apply_bitmask(b, mask)
+    report.add("sampler", "grammar bitmask on the device", "equal to the CPU's"
+               if torch.equal(a.cpu(), b) else "differs from the CPU's", "equal",
+               torch.equal(a.cpu(), b))
+    plain = [RowSampling(SamplingParams(temperature=1.0, top_p=0.9, seed=r), 0)
+             for r in range(rows)]
+    t_plain = _timed(lambda: sample(logits, [], [], rows=plain), *((1, 1) if quick else (10, 2)))
+    t_proc = _timed(lambda: sample(logits, [], [], rows=specs, eos_token_ids=eos),
+                    *((1, 1) if quick else (10, 2)))
+    report.add("sampler", f"time at {rows} rows", f"top-p only {t_plain * 1e3:.2f} ms, with "
+               f"every processing {t_proc * 1e3:.2f} ms (host staging included)")
+
+
 def kv_roundtrip(report: Report, device: str) -> None:
     import torch
 
@@ -475,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
                         "with TRITON_INTERPRET=1)")
     p.add_argument("--families", default="llama,qwen2,qwen3", help="parity model families")
     p.add_argument("--skip", default="", help="comma list of sections to skip: kernels, "
-                   "parity, memory, decode, kv")
+                   "parity, memory, decode, sampler, kv")
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -497,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
                                           args.quick), True),
                 ("memory", lambda: memory_sizing(report, args.device), cuda),
                 ("decode", lambda: decode_and_prefill(report, args.device, args.quick), True),
+                ("sampler", lambda: sampler_check(report, args.device, args.quick), True),
                 ("kv", lambda: kv_roundtrip(report, args.device), True)]
     for section, run, wanted in sections:
         if not wanted or section in skip:

@@ -2,7 +2,8 @@
 
     redis-server (unless --redis-url)  ->  prefill and decode workers (in parallel)  ->  gateway
 
-Each child is started with `python -m pdserve.cli <role> ...` and waited on until it is healthy
+Each child is started with `python -m pdserve.cli <role> ...` (child_commands: every `up` flag
+given that the role has, then that role's --<role>-args) and waited on until it is healthy
 (workers: the gRPC health service; gateway: GET /health lists both workers). Ctrl-C or SIGTERM
 stops them all, newest first (SIGTERM, then SIGKILL after a grace period), and exits 0; a child
 that dies on its own stops the rest and exits 1. On Linux the kernel sends children SIGTERM if
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from pdserve import health
+from pdserve.cli import long_flag, passthrough_actions
 from pdserve.paths import default_model_dir, resolve_model
 
 log = logging.getLogger(__name__)
@@ -163,31 +165,56 @@ def place_workers(device: str, num_gpus: int | None = None) -> tuple[str, str, f
     return "cuda:0", "cuda:0", 0.45
 
 
+def passthrough_args(args, role: str, **computed) -> list[str]:
+    """The `up` flags given for ROLE as that role's flags (`--flag=value`, or `--flag` for a
+    switch). `computed` replaces values `up` works out per role (--device)."""
+    out = []
+    for action in passthrough_actions(role):
+        value = computed.get(action.dest, getattr(args, action.dest, None))
+        if action.nargs == 0:           # a switch: `up` holds its const when it was given
+            if value is not None and value == action.const:
+                out.append(long_flag(action))
+        elif value is not None:
+            out.append(f"{long_flag(action)}={value}")
+    return out
+
+
+def child_commands(args, model: Path, redis_url: str,
+                   num_gpus: int | None = None) -> dict[str, list[str]]:
+    """The command lines of the prefill and decode workers and the gateway: `up`'s plumbing and
+    shared flags, the passed-through flags, then --prefill-args/--decode-args/--gateway-args
+    (last, so they win)."""
+    cli = [sys.executable, "-m", "pdserve.cli"]
+    prefill_dev, decode_dev, share = place_workers(args.device, num_gpus)
+    memory = args.gpu_memory_utilization or share
+    commands = {}
+    for role, port, dev in (("prefill", args.prefill_port, prefill_dev),
+                            ("decode", args.decode_port, decode_dev)):
+        commands[role] = cli + [
+            role, *_common(args, model), "--port", str(port), "--redis-url", redis_url,
+            *passthrough_args(args, role, device=dev, gpu_memory_utilization=memory),
+            *getattr(args, f"{role}_args")]
+    commands["gateway"] = cli + [
+        "gateway", *_common(args, model), "--http-port", str(args.http_port),
+        "--grpc-port", str(args.grpc_port), "--redis-url", redis_url,
+        *passthrough_args(args, "gateway"), *args.gateway_args]
+    return commands
+
+
 def _start_all(args, stack: Stack) -> tuple[Path, str]:
     model = _ensure_model(args.model)
     redis_url = args.redis_url or _start_redis(stack, args.redis_port)
-    cli = [sys.executable, "-m", "pdserve.cli"]
+    commands = child_commands(args, model, redis_url)
     workers = []
-    prefill_dev, decode_dev, share = place_workers(args.device)
-    for role, port, dev in (("prefill", args.prefill_port, prefill_dev),
-                            ("decode", args.decode_port, decode_dev)):
-        cmd = cli + [role, *_common(args, model), "--port", str(port), "--redis-url", redis_url,
-                     "--threads", str(args.threads), "--dtype", args.dtype, "--device", dev,
-                     "--kv-cache-gib", str(args.kv_cache_gib),
-                     "--gpu-memory-utilization", str(args.gpu_memory_utilization or share),
-                     "--attention-backend", args.attention_backend,
-                     *(["--enforce-eager"] if args.enforce_eager else []),
-                     *([] if args.prefix_cache else ["--no-prefix-cache"]),
-                     *(["--speculative", args.speculative]
-                       if role == "decode" and args.speculative != "off" else [])]
+    for role, port in (("prefill", args.prefill_port), ("decode", args.decode_port)):
         addr = f"127.0.0.1:{port}"
-        workers.append(stack.spawn(role, cmd, lambda a=addr: health.grpc_serving(a)))
+        workers.append(stack.spawn(role, commands[role],
+                                   lambda a=addr: health.grpc_serving(a)))
     for worker in workers:  # both load the model at the same time
         stack.wait_healthy(worker)
-    cmd = cli + ["gateway", *_common(args, model), "--http-port", str(args.http_port),
-                 "--grpc-port", str(args.grpc_port), "--redis-url", redis_url]
     url = f"http://127.0.0.1:{args.http_port}/health"
-    stack.wait_healthy(stack.spawn("gateway", cmd, lambda: _gateway_sees_workers(url)))
+    stack.wait_healthy(stack.spawn("gateway", commands["gateway"],
+                                   lambda: _gateway_sees_workers(url)))
     return model, redis_url
 
 

@@ -23,7 +23,7 @@ from kvtransfer import (KVTransferError, LayoutMismatch, block_bytes, check_layo
                         create_sender)
 from kvtransfer.wire import target_from_pb
 from pdserve.metrics import WorkerMetrics
-from pdserve.worker import WorkerIdentity, sampling_from_pb, serve, worker_stats
+from pdserve.worker import Grammars, WorkerIdentity, sampling_from_pb, serve, worker_stats
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
@@ -40,6 +40,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         self.sender = create_sender(transport, self.layout, kv=aengine.engine.kv,
                                     timeout_s=timeout_s)
         self.transfers = metrics.transfers(transport)
+        self.grammars = Grammars(aengine.engine)
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
@@ -55,6 +56,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             check_layout(self.layout, target.layout)
             req = Request(rid, list(request.prompt_token_ids), sampling_from_pb(request.params),
                           cache_salt=request.cache_salt)
+            await self.grammars.attach(req)        # the first token follows the grammar too
         except LayoutMismatch as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:

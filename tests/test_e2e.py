@@ -221,7 +221,7 @@ BAD = [
     ({"prompt": "hi", "max_tokens": -3}, "max_tokens"),
     ({"prompt": "", "max_tokens": 4}, "prompt"),
     ({"prompt": "hi", "temperature": -0.5}, "temperature"),
-    ({"prompt": "hi", "n": 2}, "n"),
+    ({"prompt": "hi", "n": 17}, "n"),
     ({"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
     ({"prompt": 42}, "prompt"),
     ({"prompt": "hi", "max_tokens": 9000}, "max_tokens"),

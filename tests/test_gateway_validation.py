@@ -53,8 +53,9 @@ def _assert_error(resp, status: int, param=None, contains: str = ""):
 BAD_COMPLETIONS = [
     (dict(prompt=""), "prompt", "must not be empty"),
     (dict(prompt=[]), "prompt", "must not be empty"),
-    (dict(prompt=["a", "b"]), "prompt", "batched prompts"),
-    (dict(prompt=[[1, 2], [3]]), "prompt", "batched prompts"),
+    (dict(prompt=["a", ""]), "prompt", "must not be empty"),
+    (dict(prompt=[[1, 2], [49152]]), "prompt", "token id 49152 at position 0"),
+    (dict(prompt=["x"] * 65), "prompt", "at most 64 prompts"),
     (dict(prompt=[1, 49152]), "prompt", "token id 49152 at position 1"),
     (dict(prompt=[-1]), "prompt", "out of the vocabulary range"),
     (dict(max_tokens=0), "max_tokens", "at least 1"),
@@ -65,10 +66,32 @@ BAD_COMPLETIONS = [
     (dict(top_p=0), "top_p", "(0, 1]"),
     (dict(top_p=1.5), "top_p", "(0, 1]"),
     (dict(top_k=-2), "top_k", "-1 or 0"),
-    (dict(n=2), "n", "only n=1"),
-    (dict(presence_penalty=0.5), "presence_penalty", "not supported"),
-    (dict(frequency_penalty=1), "frequency_penalty", "not supported"),
-    (dict(echo=True), "echo", "not supported"),
+    (dict(n=0), "n", "between 1 and 16"),
+    (dict(n=17), "n", "between 1 and 16"),
+    (dict(best_of=3), "best_of", "best_of other than n"),
+    (dict(use_beam_search=True), "use_beam_search", "not supported"),
+    (dict(suffix="x"), "suffix", "not supported"),
+    (dict(presence_penalty=2.5), "presence_penalty", "[-2, 2]"),
+    (dict(frequency_penalty=-3), "frequency_penalty", "[-2, 2]"),
+    (dict(repetition_penalty=0), "repetition_penalty", "(0, 2]"),
+    (dict(repetition_penalty=2.5), "repetition_penalty", "(0, 2]"),
+    (dict(min_p=1.5), "min_p", "[0, 1]"),
+    (dict(min_tokens=-1), "min_tokens", ">= 0"),
+    (dict(min_tokens=20, max_tokens=10), "min_tokens", "must not exceed"),
+    (dict(logit_bias={"abc": 1}), "logit_bias", "token ids"),
+    (dict(logit_bias={"49152": 1}), "logit_bias", "out of the vocabulary"),
+    (dict(logit_bias={"5": 101}), "logit_bias", "[-100, 100]"),
+    (dict(stop_token_ids=[49152]), "stop_token_ids", "out of the vocabulary"),
+    (dict(echo=True, logprobs=2), "echo", "echo with logprobs"),
+    (dict(stream_options={"include_usage": True}), "stream_options", "only allowed when stream"),
+    (dict(structured_outputs={"regex": "a+", "choice": ["a"]}), "structured_outputs",
+     "exactly one"),
+    (dict(structured_outputs={"choice": []}), "structured_outputs", "non-empty list"),
+    (dict(structured_outputs={"json": "{not json"}), "structured_outputs", "not valid JSON"),
+    (dict(structured_outputs={"regex": "a"}, guided_regex="b"), "guided_regex",
+     "one output constraint"),
+    (dict(structured_outputs={"whitespace_pattern": "x"}),
+     "structured_outputs.whitespace_pattern", "unrecognized"),
     (dict(logprobs=21), "logprobs", "between 0 and 20"),
     (dict(logprobs=-1), "logprobs", "between 0 and 20"),
     (dict(stop=["x"] * 17), "stop", "at most 16"),
@@ -88,13 +111,21 @@ BAD_CHATS = [
     (dict(messages=[]), "messages", "must not be empty"),
     (dict(messages=[{"role": "user", "content": "x", "x": 1}]), "messages.0.x", "unrecognized"),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}]),
-     "messages.0.content", "none of its accepted forms"),
+     "messages[0].content[0].type", "text only"),
+    (dict(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role", "unknown role"),
+    (dict(messages=[{"role": "user", "content": None}]), "messages[0].content", "no content"),
+    (dict(messages=[{"role": "tool", "content": "x"}]), "messages[0].tool_call_id",
+     "tool_call_id"),
+    (dict(response_format={"type": "xml"}), "response_format.type", ""),
+    (dict(response_format={"type": "json_schema"}), "response_format.json_schema",
+     "needs json_schema.schema"),
     (dict(logprobs=False, top_logprobs=5), "top_logprobs", "requires logprobs"),
     (dict(logprobs=True, top_logprobs=21), "top_logprobs", "between 0 and 20"),
     (dict(max_completion_tokens=0), "max_completion_tokens", "at least 1"),
     (dict(max_tokens=0), "max_tokens", "at least 1"),
-    (dict(n=3), "n", "only n=1"),
-    (dict(tools=[]), "tools", "unrecognized"),
+    (dict(n=30), "n", "between 1 and 16"),
+    (dict(stream=False, stream_options={"include_usage": True}), "stream_options",
+     "only allowed when stream"),
 ]
 
 
@@ -139,6 +170,18 @@ def test_missing_fields_are_400(client):
     ("/v1/chat/completions", _chat(stream=True, stream_options={"include_usage": True})),
     ("/v1/chat/completions", _chat(messages=[{"role": "user",
                                               "content": [{"type": "text", "text": "Hi"}]}])),
+    # the body vLLM's benchmark client sends (backend vllm, /v1/completions)
+    ("/v1/completions", _completion(prompt="Hello there", temperature=0.0,
+                                    repetition_penalty=1.0, max_tokens=8, logprobs=None,
+                                    stream=True, stream_options={"include_usage": True},
+                                    ignore_eos=True)),
+    ("/v1/completions", _completion(prompt=["a", "b"], n=2, presence_penalty=0.5,
+                                    frequency_penalty=0.5, logit_bias={"5": -100},
+                                    min_tokens=2, min_p=0.1, stop_token_ids=[7], echo=True,
+                                    structured_outputs={"choice": ["yes", "no"]})),
+    ("/v1/chat/completions", _chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}, "strict": True}}, seed=3,
+        max_completion_tokens=5, include_stop_str_in_output=True, skip_special_tokens=False)),
 ])
 def test_valid_requests_without_workers_are_503(client, path, body):
     _assert_error(client.post(path, json=body), 503, None, "no decode worker registered")
@@ -158,7 +201,11 @@ def test_defaults_like_vllm(preparer):
     assert text.params.max_tokens == 16
     assert (text.params.temperature, text.params.top_p, text.params.top_k) == (1.0, 1.0, 0)
     chat = preparer.prepare(Prompt(messages=({"role": "user", "content": "Hi"},)), RawParams())
-    assert chat.params.max_tokens == MAX_LEN - chat.num_prompt_tokens
+    assert chat.params.max_tokens == MAX_LEN - chat.num_prompt_tokens   # no default set
+    bounded = RequestPreparer(preparer.tokenizer, ServedModel(MODEL, MAX_LEN,
+                                                              max_tokens_default=8))
+    chat = bounded.prepare(Prompt(messages=({"role": "user", "content": "Hi"},)), RawParams())
+    assert chat.params.max_tokens == 8
     assert chat.prompt_token_ids == tuple(
         preparer.tokenizer.encode_chat([{"role": "user", "content": "Hi"}]))
     seeds = {preparer.prepare(Prompt(text="x"), RawParams()).params.seed for _ in range(4)}

@@ -264,3 +264,41 @@ def test_controller_probes_a_kind_once_per_probe_after_steps_however_many_offer_
     ids = [f"s{i}" for i in range(32)]
     granted = [sum(ctl.plan(ids, [8] * 32, kinds=[2] * 32)) for _ in range(48)]
     assert sum(granted) == 3 and max(granted) == 1
+
+
+PROCESSED = dict(presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.3,
+                 logit_bias=((0, 2.0), (7, -5.0)), min_tokens=6, stop_token_ids=(3,))
+
+
+@pytest.mark.parametrize("spec", ["ngram", "draft:same", "draft:wrong"])
+def test_processed_logits_with_speculation_equal_plain_decoding(model_dir, wrong_draft, spec):
+    """Penalties, logit bias and min_tokens with speculation: each verification row is processed
+    as if the proposals before it were accepted, so greedy output is plain decoding's, and
+    rejection sampling through a one-token nucleus (top_k=1) is too."""
+    draft = {"draft:same": f"draft:{model_dir}", "draft:wrong": f"draft:{wrong_draft}"}
+    spec = draft.get(spec, spec)
+    for params in (SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **PROCESSED),
+                   SamplingParams(temperature=0.7, top_k=1, seed=1, max_tokens=24,
+                                  ignore_eos=True, **PROCESSED)):
+        plain = run(engine(model_dir), requests(params))
+        greedy = run(engine(model_dir), requests())
+        assert plain != greedy, "the processing must change the output for the test to mean much"
+        eng = engine(model_dir, speculative=spec)
+        assert run(eng, requests(params)) == plain
+        assert eng.stats.spec_proposed > 0
+        _pools_free(eng)
+
+
+def test_seeded_sampling_with_ngram_speculation_equals_plain_sampling(model_dir):
+    """n-gram proposals are point masses, verified against the rows' own seeded draws: the
+    output is token for token that of plain sampling, whatever was proposed (with penalties
+    too)."""
+    for params in (SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=24,
+                                  ignore_eos=True),
+                   SamplingParams(temperature=1.2, top_k=20, seed=6, max_tokens=24,
+                                  ignore_eos=True, **PROCESSED)):
+        plain = run(engine(model_dir), requests(params))
+        eng = engine(model_dir, speculative="ngram")
+        assert run(eng, requests(params)) == plain
+        assert eng.stats.spec_proposed > 0
+        _pools_free(eng)

@@ -6,6 +6,11 @@ once every prompt is computed, --steps decode steps are timed (greedy; the first
 Each linear layer's forward is timed too, so the report splits a step into its linear layers
 (the weights' matmuls, lm_head included) and everything else (attention, norms, rotary,
 activation, sampling, the engine's own bookkeeping).
+
+--structured json gives every sequence a JSON-schema grammar (an array of at least 10,000
+strings, so no output completes while it is timed): the report adds the time spent on the
+grammar masks (filling each sequence's token bitmask, and applying them to the logits) per
+step and its share of the step.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -23,6 +29,25 @@ from engine.request import Request, SamplingParams
 from pdserve.paths import resolve_model
 
 WARMUP = 3
+ENDLESS_SCHEMA = {"type": "array", "items": {"type": "string"}, "minItems": 10000}
+
+
+@contextmanager
+def _timing(obj, name: str, spent: list[float]):
+    """Add the wall time of every obj.name(...) call to spent[0] while inside."""
+    fn = getattr(obj, name)
+
+    def timed(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            spent[0] += time.perf_counter() - t0
+    setattr(obj, name, timed)
+    try:
+        yield
+    finally:
+        setattr(obj, name, fn)
 
 
 def _time_linears(model: torch.nn.Module) -> list[float]:
@@ -54,19 +79,35 @@ def run(args) -> dict:
     spent = _time_linears(eng.model)
     gen = torch.Generator().manual_seed(args.seed)
     vocab = eng.model_cfg.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    structured = getattr(args, "structured", "off") == "json"
+    grammar = spec = None
+    if structured:
+        from engine.structured import GrammarCompiler, StructuredSpec
+
+        spec = StructuredSpec("json_schema", json.dumps(ENDLESS_SCHEMA))
+        grammar = GrammarCompiler(eng.model_dir, vocab, eng.model_cfg.eos_token_ids).compile(spec)
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True,
+                            structured=spec)
     for i in range(args.batch):
-        eng.add_request(Request(str(i), torch.randint(0, vocab, (args.context,),
-                                                      generator=gen).tolist(), params))
+        req = Request(str(i), torch.randint(0, vocab, (args.context,), generator=gen).tolist(),
+                      params)
+        if grammar is not None:
+            req.structured_state = grammar.matcher()
+        eng.add_request(req)
     while any(r.num_computed_tokens < r.num_prompt_tokens
               for r in list(eng.scheduler.waiting) + eng.scheduler.running):
         eng.step()
-    steps, linear = [], []
+    steps, linear, masks = [], [], []
+    mask_spent = [0.0]
+    import engine.structured as structured_module
     for i in range(args.steps + WARMUP):
-        spent[0] = 0.0
+        spent[0] = mask_spent[0] = 0.0
         t0 = time.perf_counter()
-        eng.step()
+        with _timing(eng, "_grammar_masks", mask_spent), \
+                _timing(structured_module, "apply_bitmask", mask_spent):
+            eng.step()
         dt = time.perf_counter() - t0
+        masks.append(mask_spent[0])
         if eng.last_step.num_seqs != args.batch or eng.last_step.num_tokens != args.batch:
             raise RuntimeError(f"step {i}: {eng.last_step}: the timed steps must be decodes of "
                                "every sequence")
@@ -78,10 +119,17 @@ def run(args) -> dict:
                backend=eng.runner.backend.name, step_ms=step * 1e3, linear_ms=lin * 1e3,
                outside_ms=(step - lin) * 1e3, outside_share=(step - lin) / step,
                best_step_ms=min(steps) * 1e3)
+    if structured:
+        mask = statistics.median(masks[WARMUP:])
+        out.update(structured="json", mask_ms=mask * 1e3, mask_share=mask / step)
     print(f"batch {args.batch}, {args.context}-token contexts, {args.threads} thread(s), "
           f"{out['backend']} attention: decode step {out['step_ms']:.1f} ms (median of "
           f"{args.steps}, best {out['best_step_ms']:.1f}); linear layers {out['linear_ms']:.1f} "
           f"ms; outside them {out['outside_ms']:.1f} ms = {out['outside_share']:.0%}")
+    if structured:
+        print(f"grammar masks (JSON schema, every sequence): {out['mask_ms']:.2f} ms a step = "
+              f"{out['mask_share']:.1%} of it ({out['mask_ms'] / args.batch * 1e3:.0f} us per "
+              "sequence)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

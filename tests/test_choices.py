@@ -1,0 +1,114 @@
+"""n > 1 on the engine: a request's choices are forked from it once its prompt is computed,
+sharing the prompt's blocks; each gives exactly the tokens of a lone request with its seed;
+the prompt is computed once (plus the last prompt token per extra choice); no block leaks."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from engine.engine import Engine
+from engine.request import Request, SamplingParams, choice_seed
+from tests.test_batching import engine as batching_engine
+from tests.test_batching import model_dir  # noqa: F401 - the tiny model fixture
+
+PROMPT = [5, 9, 17, 3, 3, 100, 41, 8, 8, 2, 77]       # 11 tokens: 2 full blocks of 4 + 3
+
+
+def engine(model_dir, **kw) -> Engine:
+    return batching_engine(model_dir, **{"num_blocks": 64, **kw})
+
+
+def run(eng: Engine, req: Request, abort_choice: dict[int, int] | None = None):
+    """Tokens per choice of one request; abort choice c once it has abort_choice[c] tokens."""
+    eng.add_request(req)
+    got: dict[int, list[int]] = {}
+    reasons: dict[int, str] = {}
+    while eng.has_work():
+        for o in eng.step():
+            got.setdefault(o.choice, []).extend(o.new_token_ids)
+            if o.finish_reason:
+                reasons[o.choice] = o.finish_reason
+        for c, n in (abort_choice or {}).items():
+            if len(got.get(c, [])) >= n and c not in reasons:
+                out = eng.abort_choice(req.request_id, c)
+                if out is not None:
+                    reasons[c] = out.finish_reason
+    return got, reasons
+
+
+def lone(model_dir, params: SamplingParams, choice: int) -> list[int]:
+    p = replace(params, n=1, seed=choice_seed(params.seed, choice))
+    got, _ = run(engine(model_dir), Request("alone", list(PROMPT), p))
+    return got[0]
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_each_choice_is_the_lone_request_with_its_seed(model_dir, prefix_cache):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=12, ignore_eos=True,
+                            n=4)
+    eng = engine(model_dir, enable_prefix_caching=prefix_cache)
+    got, reasons = run(eng, Request("r", list(PROMPT), params))
+    assert sorted(got) == [0, 1, 2, 3] and set(reasons.values()) == {"length"}
+    for c in range(4):
+        assert got[c] == lone(model_dir, params, c), c
+    assert len({tuple(t) for t in got.values()}) > 1, "choices must draw their own streams"
+    # the prompt once, plus its last token once per extra choice, plus the decodes
+    assert eng.stats.tokens == len(PROMPT) + 3 + 4 * (12 - 1)
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_greedy_choices_are_identical(model_dir):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, n=3)
+    got, _ = run(engine(model_dir), Request("g", list(PROMPT), params))
+    assert got[0] == got[1] == got[2] == lone(model_dir, params, 0)
+
+
+def test_prompt_on_a_block_boundary_and_a_one_token_output(model_dir):
+    prompt = PROMPT[:8]                             # exactly 2 blocks
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=1, n=3)
+    eng = engine(model_dir)
+    eng.add_request(Request("b", list(prompt), params))
+    got = {}
+    while eng.has_work():
+        for o in eng.step():
+            got.setdefault(o.choice, []).extend(o.new_token_ids)
+    for c in range(3):
+        p = replace(params, n=1, seed=choice_seed(5, c))
+        alone, _ = run(engine(model_dir), Request("x", list(prompt), p))
+        assert got[c] == alone[0]
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_one_choice_aborted_the_others_go_on(model_dir):
+    params = SamplingParams(temperature=1.0, seed=2, max_tokens=10, ignore_eos=True, n=3)
+    eng = engine(model_dir)
+    got, reasons = run(eng, Request("a", list(PROMPT), params), abort_choice={1: 3})
+    assert reasons[1] == "abort" and reasons[0] == reasons[2] == "length"
+    assert len(got[0]) == len(got[2]) == 10 and len(got[1]) < 10
+    assert got[2] == lone(model_dir, params, 2)
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_abort_of_the_request_ends_every_choice(model_dir):
+    params = SamplingParams(temperature=1.0, seed=2, max_tokens=50, ignore_eos=True, n=4)
+    eng = engine(model_dir)
+    eng.add_request(Request("all", list(PROMPT), params))
+    for _ in range(4):
+        eng.step()
+    assert len(eng.scheduler.running) + len(eng.scheduler.waiting) == 4
+    assert eng.abort("all")
+    assert not eng.has_work() and eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_choices_survive_preemption(model_dir):
+    """A pool too small for every choice at once: choices are preempted and recomputed, and
+    still give their lone tokens."""
+    params = SamplingParams(temperature=0.7, seed=9, max_tokens=14, ignore_eos=True, n=4)
+    eng = engine(model_dir, num_blocks=14)
+    got, _ = run(eng, Request("p", list(PROMPT), params))
+    assert eng.stats.preemptions > 0
+    for c in range(4):
+        assert got[c] == lone(model_dir, params, c), c
+    assert eng.pool.num_free == eng.pool.num_blocks

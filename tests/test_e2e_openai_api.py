@@ -1,0 +1,293 @@
+"""The OpenAI API's breadth through the real stack (redis, a prefill worker, a decode worker with
+n-gram speculation, the gateway with the hermes tool-call parser) with the official `openai`
+client, streaming and not: n (one prompt computed and sent once, forked on the decode worker),
+batched prompts, penalties and logit_bias, stop_token_ids, min_tokens, echo, structured outputs
+(JSON schema, JSON object, regex, choice, grammar), tool calling, and the body vLLM's
+benchmark client sends."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import grpc
+import httpx
+import pytest
+
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from tests.stack import standard_stack
+from tests.test_structured_engine import SCHEMA, valid
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 16},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"]}}},
+    {"type": "function", "function": {
+        "name": "get_time", "description": "The local time in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string",
+                                                                 "maxLength": 16}},
+                       "required": ["city"]}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir, tmp_path_factory):
+    with standard_stack(model_dir, tmp_path_factory.mktemp("api"),
+                        decode_args=("--speculative", "ngram", "--num-speculative-tokens", "4"),
+                        gateway_args=("--tool-call-parser", "hermes")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    from openai import OpenAI
+
+    with OpenAI(base_url=stack.procs[-1].http + "/v1", api_key="unused", timeout=180,
+                max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def http(stack):
+    with httpx.Client(base_url=stack.procs[-1].http, timeout=180) as c:
+        yield c
+
+
+def _stream_text(stream) -> tuple[dict[int, str], dict[int, str], object]:
+    """Texts and finish reasons per choice index of a streamed completion; the usage."""
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            piece = c.text if hasattr(c, "text") else (c.delta.content or "")
+            texts[c.index] = texts.get(c.index, "") + (piece or "")
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    return texts, reasons, usage
+
+
+def _metric(url: str, name: str) -> float:
+    total = 0.0
+    for line in httpx.get(url, timeout=10).text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_n_shares_the_prompt_and_seeded_n_reproduces(stack, client):
+    prefill = stack.procs[1]
+    sent0 = _metric(prefill.metrics, "pdserve_kv_transfers_total")
+    computed0 = _metric(prefill.metrics, "pdserve_prompt_tokens_computed_total")
+    prompt = "The three most useful things to pack for a long hike are"
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=16, temperature=1.0, seed=123, n=4)
+    a = client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2, 3]
+    assert len({c.text for c in a.choices}) > 1, "each choice draws its own stream"
+    assert a.usage.completion_tokens == 4 * 16
+    n_prompt = a.usage.prompt_tokens
+    # the prompt's KV was computed and transferred once for the four choices
+    assert _metric(prefill.metrics, "pdserve_kv_transfers_total") - sent0 == 1
+    assert _metric(prefill.metrics, "pdserve_prompt_tokens_computed_total") - computed0 \
+        <= n_prompt
+    b = client.completions.create(**kw)
+    assert [c.text for c in b.choices] == [c.text for c in a.choices]
+    texts, reasons, usage = _stream_text(client.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True}))
+    assert texts == {c.index: c.text for c in a.choices}
+    assert set(reasons.values()) == {"length"}
+    assert usage.prompt_tokens == n_prompt and usage.completion_tokens == 64
+    greedy = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12,
+                                            temperature=0, n=3)
+    assert len({c.message.content for c in greedy.choices}) == 1
+
+
+def test_batched_prompts_give_one_choice_per_prompt_and_n_each(client):
+    prompts = ["The capital of France is", "def add(a, b):"]
+    out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0,
+                                    n=2)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    for i, p in enumerate(prompts):
+        alone = client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0)
+        assert out.choices[2 * i].text == out.choices[2 * i + 1].text == alone.choices[0].text
+    texts, _, _ = _stream_text(client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=8, temperature=0, n=2, stream=True))
+    assert texts == {c.index: c.text for c in out.choices}
+
+
+def test_penalties_and_logit_bias_are_applied(client, model_dir):
+    from gateway.tokenizer import Tokenizer
+
+    tok = Tokenizer(model_dir)
+    base = dict(model=MODEL, prompt="List: apple, apple, apple, apple,", max_tokens=12,
+                temperature=0)
+    plain = client.completions.create(**base).choices[0].text
+    forced = tok.encode(" banana", add_special_tokens=False)[0]
+    bias = client.completions.create(**base, logit_bias={str(forced): 100}).choices[0].text
+    assert bias == tok.decode([forced] * 12)
+    penalised = client.completions.create(**base, frequency_penalty=2.0, presence_penalty=1.0,
+                                          extra_body={"repetition_penalty": 1.5})
+    assert penalised.choices[0].text != plain
+    streamed, _, _ = _stream_text(client.completions.create(
+        **base, frequency_penalty=2.0, presence_penalty=1.0, stream=True,
+        extra_body={"repetition_penalty": 1.5}))
+    assert streamed[0] == penalised.choices[0].text
+
+
+def test_stop_token_ids_min_tokens_and_echo(client, model_dir):
+    from gateway.tokenizer import Tokenizer
+
+    tok = Tokenizer(model_dir)
+    base = dict(model=MODEL, prompt="Count: one, two, three,", max_tokens=16, temperature=0)
+    plain = client.completions.create(**base).choices[0]
+    ids = tok.encode(plain.text, add_special_tokens=False)
+    stop_at = ids[3]
+    cut = client.completions.create(**base, extra_body={"stop_token_ids": [stop_at]})
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == tok.decode(ids[:ids.index(stop_at)])
+    kept = client.completions.create(**base, extra_body={"stop_token_ids": [stop_at],
+                                                         "include_stop_str_in_output": True})
+    assert kept.choices[0].text == tok.decode(ids[:ids.index(stop_at) + 1])
+    held = client.completions.create(**base, extra_body={"stop_token_ids": [ids[0]],
+                                                         "min_tokens": 4})
+    assert held.usage.completion_tokens >= 4
+    echo = client.completions.create(**base, echo=True)
+    assert echo.choices[0].text == base["prompt"] + plain.text
+
+
+def test_structured_outputs_parse_and_validate(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA,
+                                                  "strict": True}}
+    msgs = [{"role": "user", "content": "Describe a person as JSON."}]
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=120,
+                                          temperature=0.8, seed=3, response_format=fmt)
+    assert valid(json.loads(full.choices[0].message.content), SCHEMA)
+    streamed, _, _ = _stream_text(client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=120, temperature=0.8, seed=3,
+        response_format=fmt, stream=True))
+    assert streamed[0] == full.choices[0].message.content
+    ask = [{"role": "user", "content": "Give me a JSON object with the keys name and age for "
+                                       "Alice, 30."}]
+    obj = client.chat.completions.create(model=MODEL, messages=ask, max_tokens=80,
+                                         temperature=0, response_format={"type": "json_object"})
+    assert obj.choices[0].finish_reason == "stop"        # complete, not cut by max_tokens
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    date = r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]"
+    out = client.completions.create(model=MODEL, prompt="Today's date:", max_tokens=20,
+                                    temperature=1.0, seed=5, n=2,
+                                    extra_body={"structured_outputs": {"regex": date}})
+    assert all(re.fullmatch(date, c.text) for c in out.choices)
+    pick = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=8,
+                                     temperature=0,
+                                     extra_body={"structured_outputs": {
+                                         "choice": ["red", "blue", "green"]}})
+    assert pick.choices[0].text in ("red", "blue", "green")
+    gram = client.completions.create(model=MODEL, prompt="Answer:", max_tokens=8,
+                                     temperature=0, extra_body={"structured_outputs": {
+                                         "grammar": 'root ::= ("yes" | "no") "!"'}})
+    assert gram.choices[0].text in ("yes!", "no!")
+
+
+def test_a_schema_the_engine_cannot_compile_is_a_400_that_says_why(http):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4,
+                                           "structured_outputs": {"regex": "(unclosed"}})
+    assert r.status_code == 400, r.text
+    assert "regex" in r.json()["error"]["message"]
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4,
+                                           "structured_outputs": {"grammar": "root ::= ("}})
+    assert r.status_code == 400, r.text
+    ok = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+    assert ok.status_code == 200           # and the server keeps serving
+
+
+def _assemble(stream) -> tuple[dict[int, dict], str | None]:
+    """Tool calls assembled from streamed deltas, and the finish reason."""
+    calls: dict[int, dict] = {}
+    reason = None
+    for chunk in stream:
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or []:
+                call = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = tc.id or call["id"]
+                if tc.function and tc.function.name:
+                    call["name"] = tc.function.name
+                if tc.function and tc.function.arguments:
+                    call["arguments"] += tc.function.arguments
+            reason = c.finish_reason or reason
+    return calls, reason
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_tool_calls_parse_and_the_stream_assembles_to_the_same_call(client, choice):
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=80,
+              temperature=0)
+    full = client.chat.completions.create(**kw)
+    c = full.choices[0]
+    assert c.finish_reason == "tool_calls"
+    call = c.message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    if isinstance(choice, dict):
+        assert call.function.name == "get_weather"
+    assert call.function.name in ("get_weather", "get_time")
+    assert "city" in args
+    streamed, reason = _assemble(client.chat.completions.create(**kw, stream=True))
+    assert reason == "tool_calls"
+    assert streamed[0]["name"] == call.function.name
+    assert json.loads(streamed[0]["arguments"]) == args
+
+
+def test_a_conversation_with_tool_results_is_rendered_and_answered(client):
+    msgs = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", '
+                                                           '"unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
+    out = client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS,
+                                         max_tokens=24, temperature=0, tool_choice="none")
+    assert out.choices[0].message.content and out.choices[0].finish_reason in ("stop", "length")
+
+
+def test_the_body_vllms_benchmark_client_sends_is_served(http, model_dir):
+    """As `vllm bench serve --backend vllm` sends it (vllm/benchmarks/lib/
+    endpoint_request_func.py): repetition_penalty 1.0, logprobs null, stream with usage,
+    ignore_eos, temperature in the extra body."""
+    body = {"model": MODEL, "prompt": "Hello, my name is", "repetition_penalty": 1.0,
+            "max_tokens": 8, "logprobs": None, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0}
+    events = []
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    assert events[-1]["usage"]["completion_tokens"] == 8
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"])
+
+
+def test_grpc_generate_takes_the_same_fields(stack):
+    with grpc.insecure_channel(stack.procs[-1].address) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        params = pb.SamplingParams(max_tokens=10, temperature=0.9, seed=4, n=2,
+                                   presence_penalty=0.5, min_tokens=2,
+                                   structured=pb.StructuredOutput(
+                                       choice=pb.ChoiceList(choices=["alpha", "beta"])))
+        texts: dict[int, str] = {}
+        usage = None
+        for r in stub.Generate(pb.GenerateRequest(text="Pick one:", params=params),
+                               timeout=120):
+            texts[r.index] = texts.get(r.index, "") + r.text
+            if r.HasField("usage"):
+                usage = r.usage
+        assert set(texts) == {0, 1} and all(t in ("alpha", "beta") for t in texts.values())
+        assert usage is not None and usage.completion_tokens >= 2
