@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import time
 
@@ -94,5 +95,6 @@ async def run(args) -> dict:
 
 
 def main(args) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     asyncio.run(run(args))
     return 0
