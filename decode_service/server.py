@@ -134,6 +134,9 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
         try:
+            if "#" in rid:
+                raise ValueError(f"request id {rid!r} contains '#' (reserved for the ids of a "
+                                 "request's choices)")
             req = Request(rid, list(request.prompt_token_ids), sampling_from_pb(request.params),
                           cache_salt=request.cache_salt)
             await self.grammars.attach(req)

@@ -171,8 +171,10 @@ class KVCacheManager:
     def fork(self, parent_id: str, child_id: str, num_shared: int) -> tuple[int, int] | None:
         """A table for `child_id`: the parent's first `num_shared` blocks (shared: one more
         reference each) and a new block for the parent's next one, to be filled by copying it.
-        Returns (the parent's block, the new block) to copy, or None (nothing changed) when no
-        block is free."""
+        Returns (the parent's block, the new block) to copy, each with one more reference held
+        for the copy (give them back with `pool.free` once it is done: until then neither can
+        go to anyone else, whatever happens to the two requests), or None (nothing changed)
+        when no block is free."""
         parent = self._tables[parent_id]
         if child_id in self._tables:
             raise RuntimeError(f"request {child_id} already has blocks")
@@ -182,7 +184,9 @@ class KVCacheManager:
         self.pool.take(shared)
         (new,) = self.pool.allocate(1)
         self._tables[child_id] = shared + [new]
-        return parent[num_shared], new
+        src = parent[num_shared]
+        self.pool.take([src, new])            # the copy's references
+        return src, new
 
     def free(self, request_id: str) -> None:
         table = self._tables.pop(request_id, None)

@@ -180,8 +180,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         if self.scheduler.pending_copies:           # blocks of forked choices (n > 1)
-            self.runner.copy_blocks(self.scheduler.pending_copies)
-            self.scheduler.pending_copies = []
+            pairs, self.scheduler.pending_copies = self.scheduler.pending_copies, []
+            self.runner.copy_blocks(pairs)
+            self.pool.free([b for pair in pairs for b in pair])   # the copies' references
         if self.proposer is not None:
             self._propose()
         sched = self.scheduler.schedule()
@@ -320,9 +321,12 @@ class Engine:
         bitmask = None
         if grammar_rows:
             bitmask = self._grammar_masks(grammar_rows, len(rows))
-            for _, first, k in grammar_rows:
-                for j in range(first, first + 1 + k):
-                    rows[j] = replace(rows[j], structured=True)
+            for req, first, k in grammar_rows:
+                if not req.params.min_tokens:
+                    continue
+                for j in range(first, first + 1 + k):      # min_tokens yields to the end
+                    if req.structured_state.allows_only_end(bitmask, j):
+                        rows[j] = replace(rows[j], grammar_ends=True)
         return StepInputs(ids, BatchLayout(tables, starts, q_lens), sample_rows, rows, bitmask)
 
     def _grammar_masks(self, grammar_rows, num_rows: int) -> torch.Tensor:

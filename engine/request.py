@@ -31,7 +31,8 @@ class SamplingParams:
 
     Logits are processed before the token is chosen (greedy or drawn), in this order:
     logit_bias added; tokens the grammar (`structured`) forbids and, while fewer than
-    min_tokens are out, EOS and stop_token_ids removed; repetition_penalty on every token seen
+    min_tokens are out, EOS and stop_token_ids removed (unless the grammar allows nothing but
+    its end: a complete structure ends the output, min_tokens or not); repetition_penalty on every token seen
     in the prompt or output (positive logits divided, negative multiplied), frequency_penalty x
     count and presence_penalty once for each token in the output subtracted; then temperature,
     min_p, top_k, top_p. Logprobs are of the model's raw distribution.
@@ -173,12 +174,14 @@ class Request:
     def stream_id(self) -> str:
         return self.group or self.request_id
 
-    def append_token(self, token_id: int, logprob: TokenLogprob | None) -> None:
-        if self.structured_state is not None:
-            self.structured_state.accept(token_id)
+    def append_token(self, token_id: int, logprob: TokenLogprob | None) -> bool:
+        """Append one output token; False (nothing appended) when the grammar refuses it."""
+        if self.structured_state is not None and not self.structured_state.accept(token_id):
+            return False
         self.output_token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
+        return True
 
 
 @dataclass

@@ -74,15 +74,16 @@ def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def process_row(logits: torch.Tensor, p: SamplingParams, output: Sequence[int],
                 prompt: Sequence[int], eos_token_ids: Sequence[int] = (),
-                allowed: torch.Tensor | None = None) -> torch.Tensor:
+                allowed: torch.Tensor | None = None, grammar_ends: bool = False) -> torch.Tensor:
     """The per-row reference of the batched processing (tests, one-off callers): logits [V] of
-    a row whose output so far is `output`; `allowed` [V] bool (a grammar's mask) or None."""
+    a row whose output so far is `output`; `allowed` [V] bool (a grammar's mask) or None;
+    `grammar_ends`: the grammar allows only its end here (min_tokens does not apply)."""
     x = logits.clone()
     for tok, bias in p.logit_bias:
         x[tok] += bias
     if allowed is not None:
         x = x.masked_fill(~allowed, float("-inf"))
-    elif len(output) < p.min_tokens:
+    if len(output) < p.min_tokens and not grammar_ends:
         for tok in {*eos_token_ids, *p.stop_token_ids}:
             x[tok] = float("-inf")
     if p.repetition_penalty != 1.0:
@@ -130,7 +131,8 @@ class RowSampling:
     draw: bool = True
     output: Sequence[int] = ()
     prompt: Sequence[int] = ()
-    structured: bool = False        # the step's bitmask holds this row's grammar mask
+    # the row's grammar allows nothing but its end here (only EOS): min_tokens yields to it
+    grammar_ends: bool = False
 
     @property
     def drawn(self) -> bool:
@@ -193,7 +195,7 @@ def plan_processing(rows: Sequence[RowSampling], eos_token_ids: Sequence[int],
     ban_rows, ban_toks = [], []
     for i, r in enumerate(rows):
         p = r.params
-        if p.min_tokens and len(r.output) < p.min_tokens and not r.structured:
+        if p.min_tokens and len(r.output) < p.min_tokens and not r.grammar_ends:
             stops = sorted({*eos_token_ids, *p.stop_token_ids})
             ban_rows += [i] * len(stops)
             ban_toks += stops

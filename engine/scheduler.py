@@ -8,7 +8,9 @@ that step's logits sample its next token.
 Order: running requests first (oldest first), then waiting ones (FIFO) while budget, sequence
 slots and blocks last. A waiting request with nothing computed starts from its longest cached
 prefix (engine.block_pool): those tokens count as computed. When a running request cannot get a block, the newest running request is
-preempted: its blocks are freed and it goes back to the front of the queue to be recomputed.
+preempted: its blocks are freed and it goes back to the front of the queue to be recomputed;
+before that, waiting requests that hold blocks (forked choices, received prompts that found the
+batch full) give theirs up, newest first, and are recomputed when their turn comes.
 
 n > 1: a request's choices 1..n-1 are forked from it when its first token is out (its prompt
 is computed, here or by a prefill worker). Each shares the prompt's blocks up to the one holding
@@ -89,9 +91,11 @@ class Scheduler:
             return None                          # aborted meanwhile
         req.num_computed_tokens = req.num_prompt_tokens
         self.kv.cache_computed_blocks(req)
-        req.append_token(first_token, logprob)
-        self._fork(req)
-        out = self._check_finish(req, [first_token], [logprob] if logprob else [])
+        if not req.append_token(first_token, logprob):
+            out = self._reject(req, first_token)
+        else:
+            self._fork(req)
+            out = self._check_finish(req, [first_token], [logprob] if logprob else [])
         if req.finished:
             self.kv.free(req.request_id)
         elif len(self.running) < self.cfg.max_num_seqs:
@@ -193,6 +197,8 @@ class Scheduler:
                     spec.clear()
                     n = 1
                     continue
+                if self._release_waiting(keep=None):    # idle holders give way first
+                    continue
                 victim = self.running[-1]           # the newest request gives way
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
@@ -218,6 +224,8 @@ class Scheduler:
             if len(self.waiting) > 1:
                 n = min(n, cap)
             if self.kv.allocate_slots(req.request_id, computed + n, prefix=hits) is None:
+                if self._release_waiting(keep=req):
+                    continue                         # try the head again
                 break
             if req.num_computed_tokens == 0:
                 self._note_hits(req, len(hits))
@@ -239,6 +247,19 @@ class Scheduler:
         req.num_cached_blocks = num_blocks
         req.num_cached_tokens = num_blocks * self.kv.block_size
         self.kv.count_query(req.num_tokens, req.num_cached_tokens)
+
+    def _release_waiting(self, keep: Request | None) -> bool:
+        """Free the blocks of the newest waiting request (but `keep`) that holds some (a forked
+        choice, a received prompt that found the batch full): it computes them again when its
+        turn comes. Holding blocks while waiting must never stop the requests ahead of it.
+        False when no waiting request holds any."""
+        for req in reversed(self.waiting):
+            if req is not keep and self.kv.block_table(req.request_id):
+                self.kv.free(req.request_id)
+                req.num_computed_tokens = req.num_cached_blocks = 0
+                req.num_preemptions += 1
+                return True
+        return False
 
     def _preempt(self, req: Request) -> None:
         req.spec_token_ids.clear()
@@ -311,7 +332,8 @@ class Scheduler:
         rest (later accepted proposals) are dropped."""
         kept, kept_lps = [], []
         for tok, lp in zip(toks, lps):
-            req.append_token(tok, lp)
+            if not req.append_token(tok, lp):
+                return self._reject(req, tok)
             kept.append(tok)
             if lp is not None:
                 kept_lps.append(lp)
@@ -319,6 +341,16 @@ class Scheduler:
             if out.finished:
                 return out
         return out
+
+    @staticmethod
+    def _reject(req: Request, token: int) -> RequestOutput:
+        """The grammar refused a token the sampler chose (a bug: its mask allowed it): end the
+        request with an error rather than let its structure drift."""
+        req.status, req.finish_reason = Status.FINISHED, "error"
+        return RequestOutput(req.request_id, [], [], "error",
+                             error=f"request {req.request_id}: token {token} is not allowed by "
+                                   "its output's grammar; the structured output is abandoned",
+                             choice=req.choice, group=req.group)
 
     def _check_finish(self, req: Request, toks: list[int], lps: list) -> RequestOutput:
         reason = None

@@ -21,6 +21,7 @@ MAX_TOP_LOGPROBS = 20
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 SEED_LIMIT = 2 ** 64
 MAX_CACHE_SALT = 256
+MAX_REQUEST_ID = 256
 
 
 @dataclass(frozen=True)
@@ -345,6 +346,10 @@ class RequestPreparer:
     def prepare(self, prompt: Prompt, raw: RawParams, model: str | None = None,
                 request_id: str | None = None) -> PreparedRequest:
         self.check_model(model)
+        if request_id is not None and ("#" in request_id or len(request_id) > MAX_REQUEST_ID):
+            raise bad_request(f"request_id must be at most {MAX_REQUEST_ID} characters without "
+                              "'#' (the workers name a request's choices <id>#<n>)",
+                              "request_id")
         _check_sampling(raw)
         ids = self.prompt_ids(prompt)
         max_tokens = self._max_tokens(raw, prompt.kind, len(ids))

@@ -147,7 +147,7 @@ class _RequestText:
         text = self._detok.add(text_ids)
         if finish:
             text += self._detok.flush()
-        if self._count <= self._min_tokens and not finish:
+        if self._count < self._min_tokens and not finish:
             stopped = False         # stop strings apply once min_tokens are out
             text = self._stops.flush() + text
         else:

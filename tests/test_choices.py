@@ -112,3 +112,52 @@ def test_choices_survive_preemption(model_dir):
     for c in range(4):
         assert got[c] == lone(model_dir, params, c), c
     assert eng.pool.num_free == eng.pool.num_blocks
+
+
+@pytest.mark.parametrize("num_blocks,max_seqs", [(6, 1), (7, 2), (6, 2)])
+def test_choices_that_cannot_run_together_take_turns(model_dir, num_blocks, max_seqs):
+    """A pool that holds one choice at a time: forked choices waiting with blocks give them up
+    to the request ahead of them (no livelock), and each still gives its lone tokens."""
+    params = SamplingParams(temperature=0.9, seed=3, max_tokens=10, ignore_eos=True, n=4)
+    eng = engine(model_dir, num_blocks=num_blocks, max_num_seqs=max_seqs)
+    eng.add_request(Request("t", list(PROMPT), params))
+    got: dict[int, list[int]] = {}
+    for _ in range(2000):
+        if not eng.has_work():
+            break
+        for o in eng.step():
+            got.setdefault(o.choice, []).extend(o.new_token_ids)
+    assert not eng.has_work(), "the choices must all finish"
+    for c in range(4):
+        assert got[c] == lone(model_dir, params, c), c
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_many_requests_of_many_choices_in_a_tight_pool(model_dir):
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=40, ignore_eos=True, n=8)
+    eng = engine(model_dir, num_blocks=64, max_num_seqs=8)
+    for i in range(6):
+        eng.add_request(Request(f"m{i}", [i + 1] * 19 + PROMPT, params))
+    done = 0
+    for _ in range(4000):
+        if not eng.has_work():
+            break
+        done += sum(o.finished for o in eng.step())
+    assert done == 48 and eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_a_fork_aborted_before_its_copy_keeps_the_blocks_until_the_copy_is_done(model_dir):
+    """The block copy of a fork runs at the next step: until then its blocks stay referenced,
+    so an abort in between cannot hand them to another request mid-copy."""
+    params = SamplingParams(temperature=1.0, seed=2, max_tokens=8, ignore_eos=True, n=3)
+    eng = engine(model_dir)
+    eng.add_request(Request("c", list(PROMPT), params))
+    while not eng.scheduler.pending_copies:
+        eng.step()
+    pairs = list(eng.scheduler.pending_copies)
+    eng.abort("c")
+    held = {b for pair in pairs for b in pair}
+    assert eng.pool.num_free == eng.pool.num_blocks - len(held)
+    assert all(eng.pool.ref_count(b) > 0 for b in held)
+    eng.step()
+    assert eng.pool.num_free == eng.pool.num_blocks

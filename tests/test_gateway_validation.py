@@ -196,6 +196,14 @@ def test_models_health_and_unknown_routes(client):
     _assert_error(client.get("/v1/nothing"), 404)
 
 
+def test_request_ids_cannot_name_a_choice(preparer):
+    from gateway.errors import GatewayError
+
+    with pytest.raises(GatewayError) as e:
+        preparer.prepare(Prompt(text="x"), RawParams(), request_id="abc#1")
+    assert e.value.param == "request_id" and e.value.status == 400
+
+
 def test_defaults_like_vllm(preparer):
     text = preparer.prepare(Prompt(text="Hello"), RawParams())
     assert text.params.max_tokens == 16

@@ -128,3 +128,41 @@ def test_choices_each_follow_the_grammar(model_dir, compiler, tokenizer):
     for text in outs:
         assert valid(json.loads(text), SCHEMA), text
     assert len(set(outs)) > 1
+
+
+def test_min_tokens_holds_the_end_back_unless_the_grammar_must_end(model_dir, compiler,
+                                                                   tokenizer):
+    """A regex that may end anywhere ([a-z ]+): EOS is held back until min_tokens are out.
+    A JSON object: once it closes only EOS is allowed, and min_tokens yields to the grammar."""
+    words = StructuredSpec("regex", "[a-z ]+")
+    free = _request("free", tokenizer, compiler, "Say hi.", words, temperature=0, max_tokens=40)
+    held = _request("held", tokenizer, compiler, "Say hi.", words, temperature=0, max_tokens=40,
+                    min_tokens=24)
+    obj = StructuredSpec("json_object")
+    small = _request("obj", tokenizer, compiler, "Return {\"ok\": true} as JSON.", obj,
+                     temperature=0, max_tokens=60, min_tokens=50)
+    eng = _engine(model_dir)
+    got = _run(eng, [free, held, small])
+    assert len(got[("free", 0)]) < 24, "the test needs an output that ends on its own early"
+    assert len(got[("held", 0)]) >= 24
+    eos = set(eng.model_cfg.eos_token_ids)
+    text = tokenizer.decode([t for t in got[("obj", 0)] if t not in eos])
+    assert json.loads(text) == {"ok": True} and len(got[("obj", 0)]) < 50
+
+
+def test_a_token_the_grammar_refuses_ends_the_request_with_an_error(model_dir, compiler,
+                                                                   tokenizer):
+    """A first token from elsewhere (a prefill worker) that the decode worker's grammar does
+    not allow: the request fails loudly and frees its blocks."""
+    from dataclasses import replace as dc_replace
+
+    cfg = dc_replace(_engine(model_dir).cfg, role="decode")
+    eng = Engine(model_dir, cfg)
+    req = _request("bad", tokenizer, compiler, "Pick.",
+                   StructuredSpec("choice", json.dumps(CHOICES)), temperature=0)
+    assert eng.reserve_remote(req) is not None
+    not_allowed = tokenizer.encode(" zebra", add_special_tokens=False)[0]
+    out = eng.remote_ready("bad", not_allowed, None)
+    assert out.finish_reason == "error" and "not allowed by" in out.error
+    assert eng.pool.num_free == eng.pool.num_blocks or eng.kv_manager.hasher is not None
+    assert not eng.has_work()

@@ -113,6 +113,11 @@ class GrammarMatcher:
         finally:
             self.rollback(done)
 
+    def allows_only_end(self, bitmask: torch.Tensor, row: int) -> bool:
+        """bitmask[row] (as fill_mask wrote it) allows nothing but the EOS ids: the output must
+        end here."""
+        return torch.equal(bitmask[row], self._g._stop_row)
+
     def accept(self, token: int) -> bool:
         """Advance by one token. False (state unchanged) when the grammar forbids it, when the
         matcher has terminated, or for an id outside the vocabulary."""
