@@ -48,6 +48,8 @@ STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 MAX_N = 16
 MAX_LOGIT_BIAS = 1024
 MAX_STOP_TOKEN_IDS = 64
+MAX_STRUCTURED_CHARS = 64 * 1024     # a JSON schema, regex or grammar (its compile is the cost)
+MAX_CHOICES = 1024
 
 
 @dataclass(frozen=True)
@@ -236,6 +238,13 @@ def _check_sampling(raw: RawParams) -> None:
 
 def _check_structured(st: Structured) -> None:
     param = "structured_outputs"
+    size = sum(len(c) for c in st.value) if isinstance(st.value, tuple) else len(st.value)
+    if size > MAX_STRUCTURED_CHARS:
+        raise bad_request(f"the output constraint is {size} characters long; at most "
+                          f"{MAX_STRUCTURED_CHARS} are accepted", param)
+    if st.kind == "choice" and len(st.value) > MAX_CHOICES:
+        raise bad_request(f"at most {MAX_CHOICES} choices are accepted, got {len(st.value)}",
+                          param)
     if st.kind not in STRUCTURED_KINDS:
         raise bad_request(f"unknown structured output kind {st.kind!r}; one of "
                           f"{', '.join(STRUCTURED_KINDS)}", param)

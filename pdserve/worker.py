@@ -124,8 +124,9 @@ class Grammars:
     spec) on a thread of its own, never the engine's, and the request gets its grammar state
     before it reaches the engine. The compiler loads with the first structured request."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, timeout_s: float = 30.0) -> None:
         self.engine = engine
+        self.timeout_s = timeout_s       # a compile slower than this fails its request
         self._compiler = None
         self._lock = asyncio.Lock()
 
@@ -147,7 +148,12 @@ class Grammars:
         if spec is None:
             return
         compiler = await self._get()
-        grammar = await asyncio.to_thread(compiler.compile, spec)
+        try:
+            grammar = await asyncio.wait_for(asyncio.to_thread(compiler.compile, spec),
+                                             self.timeout_s)
+        except asyncio.TimeoutError:
+            raise ValueError(f"the {spec.kind} output constraint did not compile within "
+                             f"{self.timeout_s:g} s; simplify it") from None
         req.structured_state = grammar.matcher()
 
 
