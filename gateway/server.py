@@ -14,10 +14,12 @@ import json
 import logging
 import signal
 from pathlib import Path
+from ssl import CERT_REQUIRED
 
 import grpc
 import uvicorn
 
+from gateway.auth import OPEN_PATHS, ApiKeys, AuthInterceptor, AuthMiddleware, grpc_credentials
 from gateway.grpc_api import add_services
 from gateway.openai_api import create_app
 from gateway.params import RequestPreparer, ServedModel
@@ -65,24 +67,38 @@ async def serve(args: argparse.Namespace) -> None:
         local_prefill_max_tokens=args.local_prefill_max_tokens,
         local_prefill_queue=args.local_prefill_queue), metrics)
 
-    grpc_server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    keys = ApiKeys.from_sources(getattr(args, "api_key", None),
+                                getattr(args, "api_key_file", None))
+    tls = _tls(args)
+    grpc_server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[AuthInterceptor(keys)])
     health = await add_services(grpc_server, preparer, pipeline)
-    grpc_port = grpc_server.add_insecure_port(f"{args.host}:{args.grpc_port}")
+    address = f"{args.host}:{args.grpc_port}"
+    grpc_port = (grpc_server.add_secure_port(address, grpc_credentials(*tls)) if tls
+                 else grpc_server.add_insecure_port(address))
     if not grpc_port:
         raise SystemExit(f"cannot bind the gRPC port {args.host}:{args.grpc_port}")
-    http = _Uvicorn(uvicorn.Config(create_app(preparer, pipeline, router), host=args.host,
+    app = create_app(preparer, pipeline, router)
+    open_paths = frozenset() if getattr(args, "protect_metrics", False) else OPEN_PATHS
+    ssl = {}
+    if tls:
+        ssl = dict(ssl_certfile=tls[0], ssl_keyfile=tls[1])
+        if tls[2]:
+            ssl.update(ssl_ca_certs=tls[2], ssl_cert_reqs=CERT_REQUIRED)
+    http = _Uvicorn(uvicorn.Config(AuthMiddleware(app, keys, open_paths), host=args.host,
                                    port=args.http_port, log_level=args.log_level.lower(),
-                                   lifespan="off", access_log=False))
+                                   lifespan="off", access_log=False, **ssl))
 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, lambda: setattr(http, "should_exit", True))
     await router.start()
     await grpc_server.start()
-    log.info("gateway serving %s (max_model_len %d, max_tokens_default %d, tool calls %s): "
-             "REST http://%s:%d, gRPC %s:%d, redis %s", served.name, served.max_model_len,
-             served.max_tokens_default, served.tool_call_parser or "off", args.host,
-             args.http_port, args.host, grpc_port, args.redis_url)
+    log.info("gateway serving %s (max_model_len %d, max_tokens_default %d, tool calls %s, "
+             "%s): REST %s://%s:%d, gRPC %s:%d%s, redis %s", served.name, served.max_model_len,
+             served.max_tokens_default, served.tool_call_parser or "off",
+             f"{len(keys)} API key(s)" if keys.enabled else "no API key: open to anyone",
+             "https" if tls else "http", args.host, args.http_port, args.host, grpc_port,
+             " (TLS)" if tls else "", args.redis_url)
     try:
         await http.serve()
     finally:
@@ -92,6 +108,19 @@ async def serve(args: argparse.Namespace) -> None:
         await router.stop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+def _tls(args) -> tuple[str, str, str | None] | None:
+    """(certfile, keyfile, client CA or None) when TLS is asked for."""
+    cert, key = getattr(args, "ssl_certfile", None), getattr(args, "ssl_keyfile", None)
+    ca = getattr(args, "ssl_ca_certs", None)
+    if not cert and not key:
+        if ca:
+            raise SystemExit("--ssl-ca-certs needs --ssl-certfile and --ssl-keyfile")
+        return None
+    if not (cert and key):
+        raise SystemExit("TLS needs both --ssl-certfile and --ssl-keyfile")
+    return cert, key, ca
 
 
 def main(args: argparse.Namespace) -> int:

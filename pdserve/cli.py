@@ -27,7 +27,8 @@ ROLE_DESCRIPTIONS = {
 # default); they are not `up` flags.
 WORKER_PLUMBING = frozenset({"--host", "--port", "--advertise-host", "--redis-url", "--worker-id",
                              "--metrics-port"})
-GATEWAY_PLUMBING = frozenset({"--host", "--http-port", "--grpc-port", "--redis-url"})
+GATEWAY_PLUMBING = frozenset({"--host", "--http-port", "--grpc-port", "--redis-url",
+                              "--api-key"})     # secrets never go on a command line `up` builds
 # Every child gets these from the `up` flag of the same name.
 SHARED_FLAGS = frozenset({"--model", "--served-model-name", "--log-level"})
 # Worker flags `up` defines itself, with a meaning of its own: --device also takes
@@ -158,6 +159,21 @@ def _add_gateway(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                    help="how the model writes tool calls; tools are refused without one "
                         "(default: none)")
+    auth = p.add_argument_group("authentication and TLS")
+    auth.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                      help="a key clients must send (REST: Authorization: Bearer KEY; gRPC: "
+                           "the same authorization metadata); repeatable; also "
+                           "--api-key-file and $PDSERVE_API_KEY (comma-separated, the way to "
+                           "give keys to pdserve up). None: the gateway is open")
+    auth.add_argument("--api-key-file", default=None, metavar="FILE",
+                      help="keys, one per line (# comments)")
+    auth.add_argument("--protect-metrics", action="store_true",
+                      help="/health and /metrics need a key too (default: open)")
+    auth.add_argument("--ssl-certfile", default=None, metavar="PEM",
+                      help="serve REST and gRPC over TLS with this certificate (chain)")
+    auth.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="its private key")
+    auth.add_argument("--ssl-ca-certs", default=None, metavar="PEM",
+                      help="require client certificates signed by this CA (mutual TLS)")
     p.add_argument("--log-level", default="INFO")
 
 

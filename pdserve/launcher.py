@@ -212,32 +212,43 @@ def _start_all(args, stack: Stack) -> tuple[Path, str]:
                                    lambda a=addr: health.grpc_serving(a)))
     for worker in workers:  # both load the model at the same time
         stack.wait_healthy(worker)
-    url = f"http://127.0.0.1:{args.http_port}/health"
+    scheme = "https" if getattr(args, "ssl_certfile", None) else "http"
+    url = f"{scheme}://127.0.0.1:{args.http_port}/health"
+    headers = {}
+    if getattr(args, "protect_metrics", None):
+        from gateway.auth import ApiKeys
+        key = ApiKeys.from_sources(None, getattr(args, "api_key_file", None)).first()
+        if key is not None:
+            headers["Authorization"] = "Bearer " + key
     stack.wait_healthy(stack.spawn("gateway", commands["gateway"],
-                                   lambda: _gateway_sees_workers(url)))
+                                   lambda: _gateway_sees_workers(url, headers)))
     return model, redis_url
 
 
-def _gateway_sees_workers(url: str) -> bool:
+def _gateway_sees_workers(url: str, headers: dict | None = None) -> bool:
     """GET /health is 200 and the gateway has found a prefill and a decode worker in Redis."""
-    workers = (health.http_json(url) or {}).get("workers", {})
+    workers = (health.http_json(url, headers=headers, verify=False) or {}).get("workers", {})
     return workers.get("prefill", 0) >= 1 and workers.get("decode", 0) >= 1
 
 
 def _banner(args, model: Path, redis_url: str) -> str:
     name = args.served_model_name or model.name
-    base = f"http://127.0.0.1:{args.http_port}"
+    tls = bool(getattr(args, "ssl_certfile", None))
+    base = f"{'https' if tls else 'http'}://127.0.0.1:{args.http_port}"
+    from gateway.auth import ApiKeys
+    keyed = ApiKeys.from_sources(None, getattr(args, "api_key_file", None)).enabled
+    extra = (" -H 'Authorization: Bearer $KEY'" if keyed else "") + (" -k" if tls else "")
     return f"""
-pdserve is up: {name}
+pdserve is up: {name}{' (API keys required)' if keyed else ''}{' over TLS' if tls else ''}
   REST (OpenAI-compatible)  {base}/v1
   gRPC (pdserve.v1.Generation)  127.0.0.1:{args.grpc_port}
   workers  prefill 127.0.0.1:{args.prefill_port}, decode 127.0.0.1:{args.decode_port}
   redis    {redis_url}
 
 Try it:
-  curl -N {base}/v1/chat/completions -H 'Content-Type: application/json' \\
+  curl -N {base}/v1/chat/completions{extra} -H 'Content-Type: application/json' \\
     -d '{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello!"}}], "stream": true, "max_tokens": 64}}'
-  curl {base}/v1/models
+  curl {base}/v1/models{extra}
 
 Ctrl-C stops everything.
 """

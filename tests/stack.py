@@ -63,10 +63,12 @@ class Stack:
     procs: list[Proc] = field(default_factory=list)
     redis_url: str = ""
 
-    def _spawn(self, name: str, args: list[str], address: str) -> Proc:
+    def _spawn(self, name: str, args: list[str], address: str, **env_extra: str) -> Proc:
         log = self.workdir / f"{name}.log"
         path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
+        env.pop("PDSERVE_API_KEY", None)      # a key of the caller's must not close the stack
+        env.update(env_extra)
         popen = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
                                  cwd=self.workdir)
         p = Proc(name, popen, log, address)
@@ -95,12 +97,14 @@ class Stack:
         p.metrics = f"http://127.0.0.1:{metrics_port}/metrics"
         return p
 
-    def start_gateway(self, *extra: str) -> Proc:
+    def start_gateway(self, *extra: str, env_key: str | None = None) -> Proc:
+        """`env_key`: an API key handed over in $PDSERVE_API_KEY."""
         http, grpc_port = free_port(), free_port()
+        env = {"PDSERVE_API_KEY": env_key} if env_key else {}
         p = self._spawn("gateway", [sys.executable, "-m", "pdserve.cli", "gateway", "--model",
                                     self.model, "--http-port", str(http), "--grpc-port",
                                     str(grpc_port), "--redis-url", self.redis_url, *extra],
-                        f"127.0.0.1:{grpc_port}")
+                        f"127.0.0.1:{grpc_port}", **env)
         p.http = f"http://127.0.0.1:{http}"
         return p
 

@@ -115,7 +115,8 @@ def test_up_without_redis_server_says_how_to_install_it(tmp_path):
 # Per-process flags `up` owns for each child; shared ones every child gets from `up`'s own.
 WORKER_PLUMBING = {"--host", "--port", "--worker-id", "--redis-url", "--advertise-host",
                    "--metrics-port"}
-GATEWAY_PLUMBING = {"--host", "--http-port", "--grpc-port", "--redis-url"}
+GATEWAY_PLUMBING = {"--host", "--http-port", "--grpc-port", "--redis-url",
+                    "--api-key"}       # a secret: `up` hands keys over in $PDSERVE_API_KEY
 SHARED = {"--model", "--served-model-name", "--log-level"}
 MODEL = Path("/models/smol")
 REDIS = "redis://127.0.0.1:6390/0"
