@@ -21,6 +21,7 @@ import uvicorn
 
 from gateway.auth import OPEN_PATHS, ApiKeys, AuthInterceptor, AuthMiddleware, grpc_credentials
 from gateway.grpc_api import add_services
+from gateway.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from gateway.openai_api import create_app
 from gateway.params import RequestPreparer, ServedModel
 from gateway.pipeline import Pipeline, PipelineConfig
@@ -84,7 +85,9 @@ async def serve(args: argparse.Namespace) -> None:
         ssl = dict(ssl_certfile=tls[0], ssl_keyfile=tls[1])
         if tls[2]:
             ssl.update(ssl_ca_certs=tls[2], ssl_cert_reqs=CERT_REQUIRED)
-    http = _Uvicorn(uvicorn.Config(AuthMiddleware(app, keys, open_paths), host=args.host,
+    front = BodyLimit(AuthMiddleware(app, keys, open_paths),
+                      getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES))
+    http = _Uvicorn(uvicorn.Config(front, host=args.host,
                                    port=args.http_port, log_level=args.log_level.lower(),
                                    lifespan="off", access_log=False, **ssl))
 

@@ -159,6 +159,9 @@ def _add_gateway(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                    help="how the model writes tool calls; tools are refused without one "
                         "(default: none)")
+    p.add_argument("--max-request-bytes", type=_non_negative_int, default=8 << 20,
+                   metavar="N", help="a REST request body larger than this gets 413 before it "
+                                     "is read or parsed (0: no bound; default: 8 MiB)")
     auth = p.add_argument_group("authentication and TLS")
     auth.add_argument("--api-key", action="append", default=None, metavar="KEY",
                       help="a key clients must send (REST: Authorization: Bearer KEY; gRPC: "

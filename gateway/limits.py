@@ -1,0 +1,68 @@
+"""Bounds the gateway puts on what a client sends before any of it is parsed.
+
+`BodyLimit` (ASGI): a request body over `max_bytes` (`--max-request-bytes`) gets a 413 in
+OpenAI's error body at once: from its Content-Length when it has one, else as soon as the
+chunks received pass the bound. Nothing over the bound is buffered or parsed, so one huge body
+cannot hold the event loop that serves every other stream.
+"""
+
+from __future__ import annotations
+
+import json
+
+from gateway.errors import GatewayError
+
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+
+
+def too_large(max_bytes: int) -> GatewayError:
+    return GatewayError(f"the request body is larger than this server accepts ({max_bytes} "
+                        "bytes; --max-request-bytes)", status=413, code="request_too_large")
+
+
+class BodyLimit:
+    def __init__(self, app, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def _refuse(self, send) -> None:
+        body = json.dumps(too_large(self.max_bytes).body()).encode("utf-8")
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or self.max_bytes <= 0:
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                declared = -1
+            if declared > self.max_bytes:
+                return await self._refuse(send)
+            return await self.app(scope, receive, send)    # the server holds it to that length
+        # no declared length (chunked): gather up to the bound, then hand it over in one piece
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return                                          # the client went away
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._refuse(send)
+            more = message.get("more_body", False)
+        first = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return first
+            return await receive()                           # disconnects, as usual
+        await self.app(scope, replay, send)
