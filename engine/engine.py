@@ -17,7 +17,7 @@ from engine.block_hash import BlockHasher
 from engine.block_pool import BlockPool, KVCacheManager
 from engine.config import EngineConfig, ModelConfig, parse_speculative
 from engine.model_runner import ModelRunner, StepInputs, StepResult
-from engine.request import Request, RequestOutput, Status, TokenLogprob
+from engine.request import MAX_CHOICES, Request, RequestOutput, Status, TokenLogprob
 from engine.sampler import RowSampling
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec import DraftProposer, NgramProposer, Proposal, SpecController, verify
@@ -140,7 +140,7 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Abort a request and every choice of it."""
-        for i in range(16):
+        for i in range(MAX_CHOICES):
             self._forget(request_id if i == 0 else f"{request_id}#{i}")
         return self.scheduler.abort(request_id)
 

@@ -13,6 +13,9 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+MAX_CHOICES = 16      # n of one request, at most
+
+
 def choice_seed(seed: int, choice: int) -> int:
     """The seed of choice `choice` of a request seeded `seed` (choice 0 keeps it): each choice
     draws its own stream, and a seeded n > 1 request repeats itself."""
@@ -78,8 +81,8 @@ class SamplingParams:
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got "
                              f"{self.min_tokens}")
-        if not 1 <= self.n <= 16:
-            raise ValueError(f"n must be in [1, 16], got {self.n}")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}], got {self.n}")
 
     @property
     def greedy(self) -> bool:
