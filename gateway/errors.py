@@ -7,6 +7,7 @@ import grpc
 _GRPC_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     404: grpc.StatusCode.NOT_FOUND,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
@@ -15,22 +16,34 @@ _GRPC_CODES = {
 class GatewayError(Exception):
     """A request the gateway refuses or cannot complete.
 
-    `status` is the HTTP status (400 bad input, 404 unknown model, 503 no worker / worker down,
-    500 worker failure); `param` names the offending request field; `code` is OpenAI's error code.
+    `status` is the HTTP status (400 bad input, 404 unknown model, 429 overloaded, 503 no worker
+    / worker down, 500 worker failure); `param` names the offending request field; `code` is
+    OpenAI's error code; `retry_after` (seconds) goes out as the Retry-After header (REST) or
+    the retry-after trailing metadata (gRPC).
     """
 
     def __init__(self, message: str, *, status: int = 400, param: str | None = None,
-                 code: str | None = None, retryable: bool = False) -> None:
+                 code: str | None = None, retryable: bool = False,
+                 retry_after: float | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
         self.code = code
         self.retryable = retryable     # a worker went away: the request may run elsewhere
+        self.retry_after = retry_after
 
     @property
     def type(self) -> str:
+        if self.status == 429:
+            return "rate_limit_error"
         return "server_error" if self.status >= 500 else "invalid_request_error"
+
+    def headers(self) -> dict[str, str]:
+        """HTTP headers the error response carries (Retry-After, whole seconds)."""
+        if self.retry_after is None:
+            return {}
+        return {"Retry-After": str(max(1, int(-(-self.retry_after // 1))))}
 
     def body(self) -> dict:
         """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""

@@ -105,7 +105,7 @@ class GenerationServicer(pdserve_pb2_grpc.GenerationServicer):
             prepared = self.preparer.prepare(prompt, raw, request.model or None,
                                              request.request_id or None)
         except GatewayError as err:
-            await context.abort(err.grpc_code(), err.message)
+            await abort(context, err)
         echo = ""
         if prepared.params.echo:
             echo = prompt.text if prompt.text is not None else \
@@ -123,7 +123,14 @@ class GenerationServicer(pdserve_pb2_grpc.GenerationServicer):
                     yield _response(prepared, delta, text, used, finished)
             except GatewayError as err:
                 log.warning("request %s failed: %s", prepared.request_id, err)
-                await context.abort(err.grpc_code(), err.message)
+                await abort(context, err)
+
+
+async def abort(context, err: GatewayError) -> None:
+    """End the call with the error's status; a retry_after goes in the trailing metadata."""
+    if err.retry_after is not None:
+        context.set_trailing_metadata((("retry-after", err.headers()["Retry-After"]),))
+    await context.abort(err.grpc_code(), err.message)
 
 
 async def add_services(server: grpc.aio.Server, preparer: RequestPreparer,

@@ -47,7 +47,7 @@ class ClientDisconnected(Exception):
 
 
 def _error_response(err: GatewayError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
 
 
 def _sse(payload: dict | str) -> bytes:
