@@ -4,6 +4,11 @@ Contract: every public method is called from the loop's thread. The engine threa
 one that touches the Engine; callers talk to it through a command queue, and outputs come back
 through per-request asyncio queues. Forward passes release the GIL, so the loop keeps serving
 RPCs while a step runs.
+
+Admission: with `max_waiting`, a request that would find that many waiting already is refused
+at once (Overloaded) instead of queueing without bound. If the engine thread dies, every
+request fails with the reason, later calls raise EngineDead, and `on_death(reason)` runs on
+the loop (the worker reports NOT_SERVING and leaves the registry).
 """
 
 from __future__ import annotations
@@ -22,11 +27,26 @@ from engine.request import Request, RequestOutput, TokenLogprob
 log = logging.getLogger(__name__)
 
 
+class Overloaded(Exception):
+    """The engine's queue is full: try again later or elsewhere."""
+
+
+class EngineDead(RuntimeError):
+    """The engine thread has died: this worker cannot compute anything any more."""
+
+
 class AsyncEngine:
-    def __init__(self, engine: Engine, on_step: Callable | None = None) -> None:
-        """on_step(StepStats) is called on the engine thread after every step."""
+    def __init__(self, engine: Engine, on_step: Callable | None = None,
+                 max_waiting: int = 0, on_death: Callable[[str], None] | None = None) -> None:
+        """on_step(StepStats) is called on the engine thread after every step; max_waiting
+        (0: no bound) bounds the requests waiting for a place in the batch."""
         self.engine = engine
         self.on_step = on_step
+        self.max_waiting = max_waiting
+        self.on_death = on_death
+        self.dead: str | None = None                  # why the engine thread died
+        self._admitted = 0         # admission commands queued (loop thread writes)
+        self._taken = 0            # ... and taken by the engine thread (engine thread writes)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._cmds: queue.Queue = queue.Queue()
         self._streams: dict[str, asyncio.Queue] = {}
@@ -47,8 +67,23 @@ class AsyncEngine:
     # ------------------------------------------------------------------ API (loop thread)
     def _call(self, fn: Callable, *args) -> asyncio.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._cmds.put((fn, args, fut))
+        if self.dead is not None:
+            fut.set_exception(EngineDead(self.dead))
+        else:
+            self._cmds.put((fn, args, fut))
         return asyncio.wrap_future(fut)
+
+    def _admit(self) -> None:
+        """Refuse a new request now when the engine cannot take it (dead, or queue full)."""
+        if self.dead is not None:
+            raise EngineDead(self.dead)
+        if self.max_waiting:
+            # queued to the engine thread and not yet taken by it count too (a burst during
+            # one long step all passes the check otherwise)
+            waiting = self.load()[1] + self._admitted - self._taken
+            if waiting >= self.max_waiting:
+                raise Overloaded(f"{waiting} requests are waiting on this worker (its bound, "
+                                 f"--max-waiting-requests {self.max_waiting}); try again later")
 
     def open_stream(self, request_id: str, choices: int = 1) -> asyncio.Queue:
         """The queue of a request's outputs (of all its `choices`: RequestOutput.choice says
@@ -99,11 +134,20 @@ class AsyncEngine:
 
     async def submit(self, req: Request) -> None:
         """Queue a request whose stream the caller has opened (open_stream) already."""
-        await self._call(self.engine.add_request, req)
+        self._admit()
+        self._admitted += 1
+        await self._call(self._take, self.engine.add_request, req)
+
+    def _take(self, fn: Callable, req: Request):
+        """Engine thread: run an admission command, counting it as taken off the queue."""
+        self._taken += 1
+        return fn(req)
 
     async def reserve(self, req: Request) -> list[int]:
         """Decode role: reserve blocks for a prompt whose KV comes from elsewhere. Waits for
         free blocks if needed. The caller must open_stream first and abort on cancellation."""
+        self._admit()
+        self._admitted += 1
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._cmds.put((self._reserve_or_queue, (req, fut), None))
         return await asyncio.wrap_future(fut)
@@ -136,6 +180,16 @@ class AsyncEngine:
         self.close_stream(request_id)
         return await self._call(self._abort, request_id)
 
+    async def cancel(self, request_id: str, message: str) -> bool:
+        """Abort a request whose stream a handler is reading: the stream gets an error output
+        with `message` (so its reader ends) instead of being closed under it."""
+        def run():
+            found = self._abort(request_id)
+            self._emit([RequestOutput(request_id, [], [], "error", message)])
+            return found
+        streaming = request_id in self._streams
+        return await self._call(run) or streaming
+
     def abort_nowait(self, request_id: str) -> None:
         """Abort without waiting: safe in `finally` blocks of cancelled handlers."""
         self.close_stream(request_id)
@@ -154,6 +208,7 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ engine thread
     def _reserve_or_queue(self, req: Request, fut: concurrent.futures.Future) -> None:
+        self._taken += 1
         try:
             blocks = self.engine.reserve_remote(req)
         except Exception as exc:
@@ -223,6 +278,53 @@ class AsyncEngine:
             fut.set_exception(exc)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:   # the thread is gone: nobody may wait on it any more
+            log.critical("the engine thread died", exc_info=True)
+            self._die(f"the worker's engine stopped: {type(exc).__name__}: {exc}")
+
+    def _die(self, reason: str) -> None:
+        self.dead = reason
+        try:
+            outputs = self._fail_all(reason)
+        except Exception:                   # the engine's state may be what broke
+            outputs = []
+        pending, self._pending_reserve = list(self._pending_reserve), deque()
+        self._refuse_commands(reason)
+        for _, fut in pending:
+            if not fut.done():
+                fut.set_exception(EngineDead(reason))
+
+        def on_loop():
+            self._refuse_commands(reason)      # queued by the loop before it saw `dead`
+            for o in outputs:
+                q = self._streams.get(o.stream_id)
+                if q is not None:
+                    q.put_nowait(o)
+            for sid, q in list(self._streams.items()):   # streams of no request (reserving)
+                if not any(o.stream_id == sid for o in outputs):
+                    q.put_nowait(RequestOutput(sid, [], [], "error", reason))
+            if self.on_death is not None:
+                self.on_death(reason)
+        self._loop.call_soon_threadsafe(on_loop)
+
+    def _refuse_commands(self, reason: str) -> None:
+        """Commands nobody will run: their callers get EngineDead."""
+        while True:
+            try:
+                item = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:
+                continue
+            fn, args, fut = item
+            if fn == self._reserve_or_queue:       # its future travels in its arguments
+                fut = args[1]
+            if fut is not None and not fut.done():
+                fut.set_exception(EngineDead(reason))
+
+    def _serve(self) -> None:
         self.engine.runner.bind_thread()
         while not self._stop.is_set():
             block = not self.engine.has_work()

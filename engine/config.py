@@ -161,6 +161,7 @@ class EngineConfig:
     attention_backend: str = "auto"      # "torch", "triton"; auto: triton on CUDA, else torch
     enforce_eager: bool = False          # no CUDA graphs for decode-only steps
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory this engine may use
+    max_request_kv_share: float = 1.0    # most of the KV pool one request (all choices) may need
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -190,6 +191,9 @@ class EngineConfig:
                              f"{self.gpu_memory_utilization}")
         if self.spec_disable_batch_size < 0:
             raise ValueError("spec_disable_batch_size must be >= 0 (0: decided by cost)")
+        if not 0 < self.max_request_kv_share <= 1:
+            raise ValueError("max_request_kv_share must be in (0, 1], got "
+                             f"{self.max_request_kv_share}")
 
     @property
     def long_prefill_cap(self) -> int:

@@ -116,7 +116,9 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     def check_fits(self, req: Request) -> None:
-        total = req.num_prompt_tokens + (1 if self.cfg.role == "prefill" else req.params.max_tokens)
+        # prefill: the tokens it computes (a resumed request's output too) and the one it samples
+        total = req.num_tokens + 1 if self.cfg.role == "prefill" \
+            else req.num_prompt_tokens + req.params.max_tokens
         if total > self.cfg.max_model_len:
             raise ValueError(f"request {req.request_id}: {req.num_prompt_tokens} prompt tokens + "
                              f"{req.params.max_tokens} max_tokens exceed max_model_len "
@@ -125,6 +127,32 @@ class Engine:
         if need > self.pool.num_blocks:
             raise ValueError(f"request {req.request_id} needs {need} KV blocks; the pool has "
                              f"{self.pool.num_blocks} (raise --kv-cache-gib or --num-blocks)")
+        # all choices at their longest: the prompt's full blocks are shared, the rest is theirs
+        # (without a share bound, choices that do not fit together take turns)
+        shared = req.num_prompt_tokens // self.cfg.block_size
+        whole = need + (req.params.n - 1) * (need - shared)
+        cap = int(self.cfg.max_request_kv_share * self.pool.num_blocks)
+        if self.cfg.max_request_kv_share < 1 and whole > cap:
+            raise ValueError(f"request {req.request_id} may need {whole} KV blocks "
+                             f"({req.num_prompt_tokens} prompt tokens, max_tokens "
+                             f"{req.params.max_tokens}, n {req.params.n}); one request may use "
+                             f"at most {cap} of this worker's {self.pool.num_blocks} "
+                             f"(--max-request-kv-share {self.cfg.max_request_kv_share:g}): "
+                             "lower max_tokens or n")
+        self.check_token_ids(req)
+
+    def check_token_ids(self, req: Request) -> None:
+        """Every token id the request carries is in the model's vocabulary (a worker takes
+        requests from the network: an id past the embedding table must not reach it)."""
+        vocab = self.model_cfg.vocab_size
+        p = req.params
+        for what, ids in (("prompt", req.prompt_token_ids), ("output", req.output_token_ids),
+                          ("stop_token_ids", p.stop_token_ids),
+                          ("logit_bias", [t for t, _ in p.logit_bias])):
+            if ids and not (0 <= min(ids) and max(ids) < vocab):
+                bad = next(t for t in ids if not 0 <= t < vocab)
+                raise ValueError(f"request {req.request_id}: token id {bad} in {what} is out of "
+                                 f"the vocabulary [0, {vocab})")
 
     def add_request(self, req: Request) -> None:
         self.check_fits(req)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 
@@ -60,8 +61,10 @@ class SamplingParams:
     structured: object | None = None     # engine.structured.StructuredSpec, or None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if any(not math.isfinite(b) or abs(b) > 100 for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be finite, in [-100, 100]")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -114,6 +117,11 @@ class Request:
     Invariant: tokens [0, num_computed_tokens) have their KV in this request's blocks. Each step
     the scheduler advances num_computed_tokens toward num_tokens (the catch-up rule); when it
     reaches num_tokens, the step's logits sample the next token.
+
+    A request may start with output tokens (resumed: the stream of a worker that failed goes on
+    here). They count as output in every respect (sampling index, penalties, min_tokens,
+    max_tokens, the grammar state) and their KV is computed like the prompt's, as after a
+    preemption, so the request continues exactly as it would have on the first worker.
     """
 
     request_id: str
@@ -145,6 +153,14 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id}: empty prompt")
+        if self.output_token_ids:        # resumed: a stream moved from a worker that failed
+            if self.params.n > 1:
+                raise ValueError(f"request {self.request_id}: a request of n > 1 cannot "
+                                 "resume on another worker")
+            if len(self.output_token_ids) >= self.params.max_tokens:
+                raise ValueError(f"request {self.request_id}: {len(self.output_token_ids)} "
+                                 f"resume tokens leave nothing of max_tokens "
+                                 f"{self.params.max_tokens}")
 
     @property
     def num_prompt_tokens(self) -> int:

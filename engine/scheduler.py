@@ -69,12 +69,12 @@ class Scheduler:
         self.waiting.append(req)
 
     def reserve_remote(self, req: Request) -> list[int] | None:
-        """Decode role: allocate blocks for the prompt, whose KV another worker will write.
-        Blocks of the prompt's prefix cached here are reused: only the blocks after the first
-        `req.num_cached_blocks` need to arrive. Returns the block ids, or None when the pool
-        cannot hold the prompt now."""
-        hits = self.kv.cached_prefix(req, req.num_prompt_tokens)
-        if self.kv.allocate_slots(req.request_id, req.num_prompt_tokens, prefix=hits) is None:
+        """Decode role: allocate blocks for the prompt (and the output tokens of a resumed
+        request), whose KV another worker will write. Blocks of the prefix cached here are
+        reused: only the blocks after the first `req.num_cached_blocks` need to arrive. Returns
+        the block ids, or None when the pool cannot hold the tokens now."""
+        hits = self.kv.cached_prefix(req, req.num_tokens)
+        if self.kv.allocate_slots(req.request_id, req.num_tokens, prefix=hits) is None:
             return None
         self._note_hits(req, len(hits))
         req.arrival, self._arrivals = self._arrivals, self._arrivals + 1
@@ -89,7 +89,7 @@ class Scheduler:
         req = self.remote.pop(request_id, None)
         if req is None:
             return None                          # aborted meanwhile
-        req.num_computed_tokens = req.num_prompt_tokens
+        req.num_computed_tokens = req.num_tokens
         self.kv.cache_computed_blocks(req)
         if not req.append_token(first_token, logprob):
             out = self._reject(req, first_token)

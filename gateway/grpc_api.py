@@ -13,6 +13,7 @@ response carries its choice's `index`; the usage is on the last one.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 
@@ -20,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gateway.errors import GatewayError, bad_request
+from gateway.limits import InFlight
 from gateway.params import PreparedRequest, Prompt, RawParams, RequestPreparer, Structured
 from gateway.pipeline import Delta, Pipeline
 from proto import pdserve_pb2, pdserve_pb2_grpc
@@ -77,7 +79,7 @@ def _response(prepared: PreparedRequest, delta: Delta, text: str, used: dict[int
     """`used`: completion tokens per choice so far, `finished`: choices done (both updated
     here); the usage goes on the last response of the request (every choice finished)."""
     out = pdserve_pb2.GenerateResponse(
-        request_id=prepared.request_id, token_ids=delta.token_ids, text=text,
+        request_id=prepared.public_id, token_ids=delta.token_ids, text=text,
         finish_reason=delta.finish_reason or "", index=delta.index)
     for lp in delta.logprobs:
         out.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
@@ -95,35 +97,47 @@ class GenerationServicer(pdserve_pb2_grpc.GenerationServicer):
     """Generate: one GenerateResponse per Delta; the last carries finish_reason and usage.
     A cancelled call aborts the request on the workers."""
 
-    def __init__(self, preparer: RequestPreparer, pipeline: Pipeline) -> None:
+    def __init__(self, preparer: RequestPreparer, pipeline: Pipeline,
+                 admission: InFlight | None = None) -> None:
         self.preparer = preparer
         self.pipeline = pipeline
+        self.admission = admission or InFlight(0)
 
     async def Generate(self, request, context):
         try:
-            prompt, raw = request_to_shared(request)
-            prepared = self.preparer.prepare(prompt, raw, request.model or None,
-                                             request.request_id or None)
+            slots = self.admission.take()         # before any work: 429s come at once
         except GatewayError as err:
             await abort(context, err)
-        echo = ""
-        if prepared.params.echo:
-            echo = prompt.text if prompt.text is not None else \
-                self.preparer.tokenizer.decode(prepared.prompt_token_ids)
-        echoed: set[int] = set()
-        used: dict[int, int] = {}
-        finished: set[int] = set()
-        async with contextlib.aclosing(self.pipeline.generate(prepared)) as deltas:
+        try:
             try:
-                async for delta in deltas:
-                    text = delta.text
-                    if echo and delta.index not in echoed:
-                        echoed.add(delta.index)
-                        text = echo + text
-                    yield _response(prepared, delta, text, used, finished)
+                prompt, raw = request_to_shared(request)
+                # templating and tokenizing a long prompt takes a while: not on the event loop
+                prepared = await asyncio.to_thread(self.preparer.prepare, prompt, raw,
+                                                   request.model or None,
+                                                   client_request_id=request.request_id)
             except GatewayError as err:
-                log.warning("request %s failed: %s", prepared.request_id, err)
                 await abort(context, err)
+            echo = ""
+            if prepared.params.echo:
+                echo = prompt.text if prompt.text is not None else \
+                    self.preparer.tokenizer.decode(prepared.prompt_token_ids)
+            echoed: set[int] = set()
+            used: dict[int, int] = {}
+            finished: set[int] = set()
+            async with contextlib.aclosing(self.pipeline.generate(prepared)) as deltas:
+                try:
+                    async for delta in deltas:
+                        text = delta.text
+                        if echo and delta.index not in echoed:
+                            echoed.add(delta.index)
+                            text = echo + text
+                        yield _response(prepared, delta, text, used, finished)
+                except GatewayError as err:
+                    log.warning("request %s (client id %r) failed: %s", prepared.request_id,
+                                prepared.client_request_id, err)
+                    await abort(context, err)
+        finally:
+            slots.release()
 
 
 async def abort(context, err: GatewayError) -> None:
@@ -134,10 +148,11 @@ async def abort(context, err: GatewayError) -> None:
 
 
 async def add_services(server: grpc.aio.Server, preparer: RequestPreparer,
-                       pipeline: Pipeline) -> health.aio.HealthServicer:
+                       pipeline: Pipeline, admission: InFlight | None = None
+                       ) -> health.aio.HealthServicer:
     """Register Generation and the health service (SERVING for "" and Generation)."""
     pdserve_pb2_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(preparer, pipeline), server)
+        GenerationServicer(preparer, pipeline, admission), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):

@@ -1,9 +1,14 @@
-"""Bounds the gateway puts on what a client sends before any of it is parsed.
+"""Bounds the gateway puts on what clients send and how much they ask of it at once.
 
 `BodyLimit` (ASGI): a request body over `max_bytes` (`--max-request-bytes`) gets a 413 in
 OpenAI's error body at once: from its Content-Length when it has one, else as soon as the
 chunks received pass the bound. Nothing over the bound is buffered or parsed, so one huge body
 cannot hold the event loop that serves every other stream.
+
+`InFlight`: at most `--max-in-flight` requests (prompts of a batch count one each) are served
+at once; one more gets a 429 with Retry-After at once instead of a long wait and a timeout.
+Workers bound their own queues the same way (RESOURCE_EXHAUSTED, which reaches the client as a
+429 too).
 """
 
 from __future__ import annotations
@@ -13,6 +18,40 @@ import json
 from gateway.errors import GatewayError
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+DEFAULT_MAX_IN_FLIGHT = 1024
+
+
+class Slots:
+    """Slots taken from an InFlight; release() (idempotent) gives them back."""
+
+    def __init__(self, owner: "InFlight", n: int) -> None:
+        self._owner, self._n = owner, n
+
+    def release(self) -> None:
+        n, self._n = self._n, 0
+        self._owner.used -= n
+
+
+class InFlight:
+    """The gateway's bound on requests served at once (0: no bound)."""
+
+    def __init__(self, limit: int = DEFAULT_MAX_IN_FLIGHT, metrics=None,
+                 retry_after_s: float = 1.0) -> None:
+        self.limit = limit
+        self.used = 0
+        self.metrics = metrics
+        self.retry_after_s = retry_after_s
+
+    def take(self, n: int = 1) -> Slots:
+        """n slots, or GatewayError 429 (Retry-After) when fewer are free."""
+        if self.limit and self.used + n > self.limit:
+            if self.metrics is not None:
+                self.metrics.overloaded.inc()
+            raise GatewayError(f"the server is at its bound of {self.limit} requests in flight "
+                               "(--max-in-flight); try again shortly", status=429,
+                               code="overloaded", retry_after=self.retry_after_s)
+        self.used += n
+        return Slots(self, n)
 
 
 def too_large(max_bytes: int) -> GatewayError:

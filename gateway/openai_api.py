@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.errors import GatewayError, bad_request
+from gateway.limits import InFlight, Slots
 from gateway.openai_format import OpenAIFormatter, ToolOutput
 from gateway.params import PreparedRequest, RequestPreparer
 from gateway.pipeline import Delta, Pipeline
@@ -84,10 +85,12 @@ class EventStreamResponse(StreamingResponse):
     cancelled and closed right away (so its cleanup, e.g. aborting the workers, runs now).
     """
 
-    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None], on_close=None) -> None:
+        """on_close() runs once the response is over, however it ended."""
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._events = events
+        self._on_close = on_close
 
     async def _send_all(self, send) -> None:
         async for chunk in self._events:
@@ -95,17 +98,23 @@ class EventStreamResponse(StreamingResponse):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code,
-                    "headers": self.raw_headers})
-        stream = asyncio.ensure_future(self._send_all(send))
-        watch = asyncio.ensure_future(_wait_disconnect(receive))
+        stream = watch = None
         try:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            stream = asyncio.ensure_future(self._send_all(send))
+            watch = asyncio.ensure_future(_wait_disconnect(receive))
             await asyncio.wait({stream, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (stream, watch):
+            tasks = [t for t in (stream, watch) if t is not None]
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(stream, watch, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
             await self._events.aclose()
+            if self._on_close is not None:
+                self._on_close()
+        if stream is None:
+            return
         if not stream.cancelled() and isinstance(stream.exception(), Exception):
             if not isinstance(stream.exception(), OSError):  # OSError: the client is gone
                 raise stream.exception()
@@ -148,12 +157,23 @@ async def _merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _prompt_count(body: CompletionRequest | ChatCompletionRequest) -> int:
+    """The requests a body makes (a list of prompts: one each), without tokenizing anything;
+    at least 1, at most one more than the bound on prompts (a longer list is refused)."""
+    prompt = getattr(body, "prompt", None)
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return min(len(prompt), MAX_BATCH_PROMPTS + 1)
+    return 1
+
+
 class OpenAIServer:
     """The endpoints' logic, independent of FastAPI routing."""
 
-    def __init__(self, preparer: RequestPreparer, pipeline: Pipeline) -> None:
+    def __init__(self, preparer: RequestPreparer, pipeline: Pipeline,
+                 admission: InFlight | None = None) -> None:
         self.preparer = preparer
         self.pipeline = pipeline
+        self.admission = admission or InFlight(0)
 
     def _prepare(self, body: CompletionRequest | ChatCompletionRequest
                  ) -> tuple[list[PreparedRequest], list[str]]:
@@ -180,32 +200,47 @@ class OpenAIServer:
 
     async def handle(self, request: Request, body: CompletionRequest | ChatCompletionRequest):
         try:
-            prepared, echo, plan = self._prepare(body)
+            slots = self.admission.take(_prompt_count(body))   # before any work: 429 at once
         except GatewayError as err:
             return _error_response(err)
-        tools = None
-        if plan is not None and plan.mode != "none":
-            tools = lambda: ToolOutput(plan)              # noqa: E731 - one per choice
-        fmt = OpenAIFormatter(prepared, self.preparer.tokenizer, body.include_usage, echo,
-                              tools)
-        deltas = _merge([self.pipeline.generate(p) for p in prepared])
+        streaming = False
         try:
-            if body.stream:
-                first = await _race_disconnect(request, deltas.__anext__())
-                return EventStreamResponse(self._events(fmt, first, deltas))
-            return JSONResponse(fmt.response(await _race_disconnect(request, _collect(deltas))))
-        except GatewayError as err:
-            await deltas.aclose()
-            return _error_response(err)
-        except ClientDisconnected:
-            await deltas.aclose()
-            log.info("client disconnected; request %s aborted", fmt.id)
-            return Response(status_code=499)
-        except StopAsyncIteration:
-            return _error_response(GatewayError("the request produced no output", status=500))
+            try:
+                # templating and tokenizing a long prompt takes a while: not on the event loop
+                prepared, echo, plan = await asyncio.to_thread(self._prepare, body)
+            except GatewayError as err:
+                return _error_response(err)
+            tools = None
+            if plan is not None and plan.mode != "none":
+                tools = lambda: ToolOutput(plan)              # noqa: E731 - one per choice
+            fmt = OpenAIFormatter(prepared, self.preparer.tokenizer, body.include_usage, echo,
+                                  tools)
+            deltas = _merge([self.pipeline.generate(p) for p in prepared])
+            try:
+                if body.stream:
+                    first = await _race_disconnect(request, deltas.__anext__())
+                    streaming = True
+                    return EventStreamResponse(self._events(fmt, first, deltas, slots),
+                                               on_close=slots.release)
+                return JSONResponse(fmt.response(await _race_disconnect(request,
+                                                                        _collect(deltas))))
+            except GatewayError as err:
+                await deltas.aclose()
+                return _error_response(err)
+            except ClientDisconnected:
+                await deltas.aclose()
+                log.info("client disconnected; request %s aborted", fmt.id)
+                return Response(status_code=499)
+            except StopAsyncIteration:
+                return _error_response(GatewayError("the request produced no output",
+                                                    status=500))
+        finally:
+            if not streaming:
+                slots.release()
 
     async def _events(self, fmt: OpenAIFormatter, first: tuple[int, Delta],
-                      deltas: AsyncIterator[tuple[int, Delta]]) -> AsyncIterator[bytes]:
+                      deltas: AsyncIterator[tuple[int, Delta]], slots: Slots
+                      ) -> AsyncIterator[bytes]:
         try:
             if fmt.chat:
                 for chunk in fmt.role_chunks():
@@ -221,6 +256,7 @@ class OpenAIServer:
             log.warning("request %s failed while streaming: %s", fmt.id, err)
             yield _sse(err.body())
         finally:
+            slots.release()
             await deltas.aclose()
         yield _sse("[DONE]")
 
@@ -230,10 +266,11 @@ async def _collect(deltas: AsyncIterator[tuple[int, Delta]]) -> list[tuple[int, 
         return [d async for d in deltas]
 
 
-def create_app(preparer: RequestPreparer, pipeline: Pipeline, router: Router) -> FastAPI:
+def create_app(preparer: RequestPreparer, pipeline: Pipeline, router: Router,
+               admission: InFlight | None = None) -> FastAPI:
     """The FastAPI app of the gateway. Validation never reaches a worker."""
     app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None)
-    server = OpenAIServer(preparer, pipeline)
+    server = OpenAIServer(preparer, pipeline, admission)
     served = preparer.served
     started = int(time.time())
 

@@ -81,7 +81,7 @@ class OpenAIFormatter:
         self.tokenizer = tokenizer
         self.include_usage = include_usage
         self.chat = self.prepared.kind == "chat"
-        self.id = ("chatcmpl-" if self.chat else "cmpl-") + self.prepared.request_id
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + self.prepared.public_id
         self.created = int(time.time())
         self.n = self.prepared.params.n
         self._choices: dict[int, _Choice] = {}

@@ -144,12 +144,18 @@ class GenerationParams:
 class PreparedRequest:
     """A validated request, ready for the pipeline: what the workers need, nothing to re-check."""
 
-    request_id: str
+    request_id: str            # made by the gateway: the id workers know the request by
     model: str
     kind: Literal["completion", "chat"]
     prompt_token_ids: tuple[int, ...]
     params: GenerationParams
     cache_salt: str = ""       # requests share cached KV only with the same salt
+    client_request_id: str = ""  # the client's own id, if it gave one: metadata only
+
+    @property
+    def public_id(self) -> str:
+        """The id the client sees: its own, else the gateway's."""
+        return self.client_request_id or self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -353,11 +359,12 @@ class RequestPreparer:
         return raw.max_tokens
 
     def prepare(self, prompt: Prompt, raw: RawParams, model: str | None = None,
-                request_id: str | None = None) -> PreparedRequest:
+                request_id: str | None = None, client_request_id: str = "") -> PreparedRequest:
+        """`request_id`: the gateway's id for the request (default: a fresh one); a client's
+        own id is only `client_request_id`, so two clients can never collide on a worker."""
         self.check_model(model)
-        if request_id is not None and ("#" in request_id or len(request_id) > MAX_REQUEST_ID):
-            raise bad_request(f"request_id must be at most {MAX_REQUEST_ID} characters without "
-                              "'#' (the workers name a request's choices <id>#<n>)",
+        if len(client_request_id) > MAX_REQUEST_ID:
+            raise bad_request(f"request_id must be at most {MAX_REQUEST_ID} characters",
                               "request_id")
         _check_sampling(raw)
         ids = self.prompt_ids(prompt)
@@ -390,4 +397,4 @@ class RequestPreparer:
                               f"{len(salt)}", "cache_salt")
         return PreparedRequest(request_id=request_id or uuid.uuid4().hex, model=self.served.name,
                                kind=prompt.kind, prompt_token_ids=ids, params=params,
-                               cache_salt=salt)
+                               cache_salt=salt, client_request_id=client_request_id)

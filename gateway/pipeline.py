@@ -7,8 +7,17 @@
 
 A worker that goes away (or a KV transfer that fails) before the first token reached the client
 makes the request run again on the workers the router picks then (PipelineConfig.max_attempts).
+A decode worker that fails after tokens went out (gone, stream broken, stalled for
+stream_stall_timeout_s) hands the stream on (PipelineConfig.max_migrations): another decode
+worker (and a prefill worker, as for a new request) computes the KV of prompt + the tokens sent
+(DecodeRequest.resume_token_ids) and goes on from there, feeding the same per-choice text state,
+so the client sees one stream; sampling is a function of (seed, output index), so the tokens are
+the ones the failed worker would have made. Requests of n > 1 are not moved (their error ends
+the stream).
+
 Every exit (finish, stop string, worker error, consumer cancelled or closed) cancels the Decode
-stream and an unfinished Prefill call, so both workers free the request's blocks.
+stream and an unfinished Prefill call, so both workers free the request's blocks. Errors reach
+the client as GatewayErrors whose messages name no worker id or address (the log has those).
 """
 
 from __future__ import annotations
@@ -16,9 +25,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterable
 
 import grpc
 
@@ -33,6 +43,7 @@ from proto import pdserve_pb2, pdserve_pb2_grpc
 log = logging.getLogger(__name__)
 
 DETOKENIZER_CONTEXT = 4  # prompt tokens that seed the detokenizer (leading-space rules)
+FINISH_REASONS = ("stop", "length")     # what a worker may end a choice with
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,12 @@ class PipelineConfig:
     local_prefill_queue: int = 4
     # A request whose worker went away before its first token runs again, up to this many tries.
     max_attempts: int = 3
+    # A stream whose decode worker failed after tokens went out goes on on another decode
+    # worker, at most this many times per request (0: the failure ends the stream).
+    max_migrations: int = 2
+    # A decode stream that sends nothing for this long (once its prompt's KV is computed) has
+    # stalled: its worker counts as failed. 0 turns the check off.
+    stream_stall_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if min(self.reservation_timeout_s, self.prefill_timeout_s, self.prefill_grace_s) <= 0:
@@ -55,6 +72,8 @@ class PipelineConfig:
             raise ValueError("local_prefill_max_tokens and local_prefill_queue must be >= 0")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
+        if self.max_migrations < 0 or self.stream_stall_timeout_s < 0:
+            raise ValueError("max_migrations and stream_stall_timeout_s must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -136,9 +155,11 @@ class _RequestText:
         self._min_tokens = p.min_tokens
         self._count = 0
         self.index = index
+        self.token_ids: list[int] = []     # consumed so far: what a moved stream resumes from
 
     def consume(self, batch: pdserve_pb2.TokenBatch) -> Delta:
         ids = tuple(batch.token_ids)
+        self.token_ids += ids
         self._count += len(ids)
         finish = batch.finish_reason or None
         text_ids = ids
@@ -160,6 +181,25 @@ class _RequestText:
                                       tuple((t.token_id, t.logprob) for t in lp.top))
                          for lp in batch.logprobs)
         return Delta(ids, text, logprobs, finish, self._count, self.index)
+
+
+class _Choices:
+    """The text state of a request's choices and which have finished, kept across the workers
+    that serve it (a moved stream feeds the same detokenizers and stop strings)."""
+
+    def __init__(self, tokenizer: Tokenizer, prepared: PreparedRequest) -> None:
+        self.n = prepared.params.n
+        self.states = [_RequestText(tokenizer, prepared, i) for i in range(self.n)]
+        self.done: set[int] = set()
+
+    @property
+    def started(self) -> bool:
+        """Tokens went out: the request can no longer simply run again."""
+        return any(s.token_ids for s in self.states)
+
+    def resume_token_ids(self) -> tuple[int, ...]:
+        """What a moved stream goes on after (n = 1: requests of n > 1 are not moved)."""
+        return tuple(self.states[0].token_ids) if self.n == 1 else ()
 
 
 class _LatencyTimer:
@@ -191,19 +231,55 @@ class _LatencyTimer:
                 self.m.e2e.observe(now - self.start)
 
 
-def _worker_error(what: str, worker: WorkerInfo, exc: grpc.aio.AioRpcError) -> GatewayError:
+# What a worker's error text may hold that a client must not see: addresses (ipv4:1.2.3.4:5,
+# [::1]:5, host:port) and default worker ids (decode-HOST-PORT).
+_ADDRESS = re.compile(r"\b(?:prefill|decode)-[\w.:\[\]-]+-\d+\b"             # worker ids
+                      r"|(?:\bipv[46]:)?(?:\[[0-9a-fA-F:.]+\]"                  # [v6]
+                      r"|\b\d{1,3}(?:\.\d{1,3}){3}\b)(?::\d+)?"                  # v4
+                      r"|\b[\w.-]+:\d{2,5}\b")                                  # host:port
+
+
+def scrub(text: str, workers: Iterable[WorkerInfo] = ()) -> str:
+    """`text` without worker ids and addresses: the ids and addresses of `workers`, then
+    anything that looks like an address or a default worker id."""
+    for w in workers:
+        text = text.replace(w.id, "<worker>").replace(w.address, "<address>")
+    return _ADDRESS.sub("<address>", text)
+
+
+def _worker_error(what: str, worker: WorkerInfo, exc: grpc.aio.AioRpcError,
+                  known: Iterable[WorkerInfo] = ()) -> GatewayError:
+    """The client's error for a failed worker call: the worker's words for a bad request, else
+    the role, the status and the worker's details scrubbed of ids and addresses."""
     code = exc.code()
-    message = f"{what} worker {worker.id} at {worker.address} failed: {code.name}: {exc.details()}"
+    details = exc.details() or ""
+    log.warning("%s worker %s at %s failed: %s: %s", what, worker.id, worker.address, code.name,
+                details)
+    clean = scrub(details, [worker, *known])
+    message = f"the {what} worker failed: {code.name}" + (f": {clean}" if clean else "")
     if code == grpc.StatusCode.INVALID_ARGUMENT:     # the request's fault: the worker's words
-        return GatewayError(exc.details() or message, status=400)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED):
-        # the worker is gone, or (ABORTED) the KV transfer between the workers failed
+        return GatewayError(clean or message, status=400)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED):
+        # the worker is gone (or shutting down), or (ABORTED) the KV transfer between the
+        # workers failed
         return GatewayError(message, status=503, code="worker_unavailable", retryable=True)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return GatewayError(message, status=503, code="worker_unavailable")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:   # its queue is full: come back shortly
+        return GatewayError(f"the {what} worker is overloaded; retry shortly", status=429,
+                            code="overloaded", retry_after=_retry_after(exc))
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return GatewayError(message, status=504, code="worker_timeout")
     return GatewayError(message, status=500, code="worker_error")
+
+
+def _retry_after(exc: grpc.aio.AioRpcError, default: float = 1.0) -> float:
+    """The worker's retry-after trailer (seconds), or `default`."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == "retry-after":
+            try:
+                return max(float(value), 0.0)
+            except ValueError:
+                break
+    return default
 
 
 class Pipeline:
@@ -221,9 +297,10 @@ class Pipeline:
     async def generate(self, prepared: PreparedRequest) -> AsyncIterator[Delta]:
         """Yield the request's Deltas; the last one has finish_reason set.
 
-        Raises GatewayError: 503 when no worker is registered or one is unreachable, 500/504 on
-        other worker failures. Closing or cancelling the iterator aborts the request on both
-        workers. Consume it with `contextlib.aclosing` so that happens promptly.
+        Raises GatewayError, and nothing else: 503 when no worker is registered or one is
+        unreachable, 429 when a worker is overloaded, 500/504 on other worker failures (a bug
+        of the gateway's own is a 500 too). Closing or cancelling the iterator aborts the
+        request on both workers. Consume it with `contextlib.aclosing` so that happens promptly.
         """
         m = self.metrics
         m.in_flight.inc()
@@ -236,79 +313,120 @@ class Pipeline:
                     yield delta
         except GatewayError as exc:
             m.failed.labels(status=str(exc.status)).inc()
+            exc.message = scrub(exc.message, self.router.workers("prefill")
+                                + self.router.workers("decode"))     # e.g. the Redis URL
+            exc.args = (exc.message,)
             raise
+        except Exception as exc:                # noqa: BLE001 - a client gets an error, not a hang
+            log.exception("request %s failed in the gateway", prepared.request_id)
+            m.failed.labels(status="500").inc()
+            raise GatewayError("internal error in the gateway", status=500,
+                               code="internal_error") from exc
         finally:
             m.in_flight.dec()
 
-    def _prefill_locally(self, prefill_w: WorkerInfo, prepared: PreparedRequest) -> bool:
+    def _prefill_locally(self, prefill_w: WorkerInfo, num_tokens: int) -> bool:
         cfg = self.config
-        return (0 < len(prepared.prompt_token_ids) <= cfg.local_prefill_max_tokens
+        return (0 < num_tokens <= cfg.local_prefill_max_tokens
                 and self.router.queued_prompts(prefill_w.id) >= cfg.local_prefill_queue)
 
     async def _generate(self, prepared: PreparedRequest) -> AsyncIterator[Delta]:
         """Run the request; when a worker goes away (or the KV transfer fails) before any token
-        reached the client, run it again on the workers the router picks now."""
-        emitted = False
+        reached the client, run it again on the workers the router picks now; when the decode
+        worker fails after that, go on on another one (see the module docstring)."""
+        choices = _Choices(self.tokenizer, prepared)
         tried: set[str] = set()
-        for attempt in range(self.config.max_attempts):
+        retries = migrations = 0
+        while True:
+            attempt = retries + migrations
             rid = prepared.request_id if not attempt else f"{prepared.request_id}-retry{attempt}"
             try:
-                async for delta in self._attempt(prepared, rid, tried):
-                    emitted = True
+                async for delta in self._attempt(prepared, rid, tried, choices):
                     yield delta
                 return
             except GatewayError as exc:
-                if emitted or not exc.retryable or attempt + 1 >= self.config.max_attempts:
+                if not exc.retryable:
                     raise
-                log.warning("request %s: %s; trying again on other workers",
-                            prepared.request_id, exc.message)
-                self.metrics.retries.inc()
+                if not choices.started:
+                    retries += 1
+                    if retries >= self.config.max_attempts:
+                        raise
+                    log.warning("request %s: %s; trying again on other workers",
+                                prepared.request_id, exc.message)
+                    self.metrics.retries.inc()
+                    continue
+                why = self._unmovable(prepared, migrations, tried)
+                if why:
+                    log.warning("request %s: %s; the stream is not moved: %s",
+                                prepared.request_id, exc.message, why)
+                    raise
+                migrations += 1
+                log.warning("request %s: %s; moving the stream to another decode worker after "
+                            "%d tokens (move %d of at most %d)", prepared.request_id,
+                            exc.message, len(choices.resume_token_ids()), migrations,
+                            self.config.max_migrations)
+                self.metrics.migrations.inc()
 
-    async def _attempt(self, prepared: PreparedRequest, rid: str,
-                       tried: set[str]) -> AsyncIterator[Delta]:
+    def _unmovable(self, prepared: PreparedRequest, migrations: int, tried: set[str]) -> str:
+        """Why a stream whose decode worker failed cannot go on elsewhere ("": it can)."""
+        if prepared.params.n > 1:
+            return "a request of n > 1 is not moved"
+        if migrations >= self.config.max_migrations:
+            return f"it was moved {migrations} times already (--max-migrations)"
+        if all(w.id in tried for w in self.router.workers("decode")):
+            return "no other decode worker is registered"
+        return ""
+
+    async def _attempt(self, prepared: PreparedRequest, rid: str, tried: set[str],
+                       choices: _Choices) -> AsyncIterator[Delta]:
         """One try on the workers the router picks, avoiding those of failed tries (`tried`,
-        extended with this try's workers)."""
-        route = await self.router.route(prepared.prompt_token_ids, prepared.cache_salt,
-                                        frozenset(tried))
+        extended with this try's workers). A stream that has started resumes after the tokens
+        its choice has sent."""
+        resume = choices.resume_token_ids()
+        tokens = prepared.prompt_token_ids + resume
+        route = await self.router.route(tokens, prepared.cache_salt, frozenset(tried))
         prefill_w, decode_w = route.prefill, route.decode
         tried.update((prefill_w.id, decode_w.id))
-        local = self._prefill_locally(prefill_w, prepared)
+        local = self._prefill_locally(prefill_w, len(tokens))
         self.metrics.routed.labels(prefill="decode-local" if local else "prefill-worker").inc()
         ticket = None
         if not local:
             self.metrics.route_reason.labels(reason=route.reason).inc()
             self.metrics.routed_cached.inc(route.cached_tokens)
-            uncached = len(prepared.prompt_token_ids) - route.cached_tokens
-            ticket = self.router.enqueue_prefill(prefill_w, uncached)
+            ticket = self.router.enqueue_prefill(prefill_w, len(tokens) - route.cached_tokens)
         with self.router.track(*([decode_w] if local else [prefill_w, decode_w])):
             decode = pdserve_pb2_grpc.DecodeWorkerStub(self.router.channel(decode_w.address))
             call = decode.Decode(pdserve_pb2.DecodeRequest(
                 request_id=rid, prompt_token_ids=prepared.prompt_token_ids,
                 params=prepared.params.to_proto(), local_prefill=local,
-                cache_salt=prepared.cache_salt))
+                cache_salt=prepared.cache_salt, resume_token_ids=resume))
             prefill: asyncio.Task | None = None
             try:
                 if not local:
-                    reservation = await self._reservation(call, decode_w)
-                    prefill = asyncio.ensure_future(
-                        self._prefill(prefill_w, prepared, rid, reservation, ticket))
-                n = prepared.params.n
-                states = [_RequestText(self.tokenizer, prepared, i) for i in range(n)]
-                done: set[int] = set()
+                    reservation = await self._reservation(call, decode_w, tried)
+                    prefill = asyncio.ensure_future(self._prefill(
+                        prefill_w, prepared, rid, resume, reservation, ticket, tried))
+                watched = prefill          # until the first token: then the KV is on D
                 while True:
-                    event = await self._next_event(call, decode_w, prefill)
-                    index = event.tokens.index
-                    if index in done or index >= n:
+                    tb = (await self._next_event(call, decode_w, watched, tried)).tokens
+                    watched = None
+                    if tb.index in choices.done or tb.index >= choices.n:
                         continue                 # a choice stopped here: its last outputs
-                    delta = states[index].consume(event.tokens)
+                    if tb.finish_reason and tb.finish_reason not in FINISH_REASONS:
+                        log.warning("request %s: decode worker %s ended choice %d with %r",
+                                    rid, decode_w.id, tb.index, tb.finish_reason)
+                        raise GatewayError(f"the decode worker ended the output with "
+                                           f"{tb.finish_reason!r}", status=500,
+                                           code="worker_error")
+                    delta = choices.states[tb.index].consume(tb)
                     if delta.finish_reason:
-                        done.add(index)
-                        if len(done) == n and event.tokens.finish_reason:
+                        choices.done.add(tb.index)
+                        if len(choices.done) == choices.n and tb.finish_reason:
                             await self._finish_prefill(prefill)
-                        elif len(done) < n and not event.tokens.finish_reason:
-                            self._stop_choice(decode_w, rid, index)   # a stop string
+                        elif len(choices.done) < choices.n and not tb.finish_reason:
+                            self._stop_choice(decode_w, rid, tb.index)   # a stop string
                     yield delta
-                    if len(done) == n:
+                    if len(choices.done) == choices.n:
                         return
             finally:
                 call.cancel()
@@ -328,59 +446,78 @@ class Pipeline:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _failed(self, what: str, worker: WorkerInfo, exc: grpc.aio.AioRpcError) -> GatewayError:
+    def _failed(self, what: str, worker: WorkerInfo, exc: grpc.aio.AioRpcError,
+                tried: set[str]) -> GatewayError:
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
             self.router.mark_unreachable(worker)
-        return _worker_error(what, worker, exc)
+        known = self.router.workers("prefill") + self.router.workers("decode")
+        err = _worker_error(what, worker, exc, known)
+        if err.status == 429:       # another worker of the role may have room: one try there
+            err.retryable = any(w.id not in tried for w in self.router.workers(what))
+        return err
 
-    async def _reservation(self, call, worker: WorkerInfo) -> pdserve_pb2.KVDescriptor:
+    async def _reservation(self, call, worker: WorkerInfo,
+                           tried: set[str]) -> pdserve_pb2.KVDescriptor:
         try:
             event = await asyncio.wait_for(call.read(), self.config.reservation_timeout_s)
         except asyncio.TimeoutError:
-            raise GatewayError(f"decode worker {worker.id} at {worker.address} did not reserve KV "
-                               f"blocks within {self.config.reservation_timeout_s:g} s",
+            log.warning("decode worker %s at %s reserved no KV blocks within %g s", worker.id,
+                        worker.address, self.config.reservation_timeout_s)
+            raise GatewayError(f"the decode worker did not reserve KV blocks within "
+                               f"{self.config.reservation_timeout_s:g} s",
                                status=504, code="worker_timeout") from None
         except grpc.aio.AioRpcError as exc:
-            raise self._failed("decode", worker, exc) from None
+            raise self._failed("decode", worker, exc, tried) from None
         if event is grpc.aio.EOF or not event.HasField("reservation"):
-            raise GatewayError(f"decode worker {worker.id} did not open the request with a KV "
-                               f"reservation", status=500, code="worker_error")
+            log.warning("decode worker %s did not open with a KV reservation", worker.id)
+            raise GatewayError("the decode worker did not open the request with a KV "
+                               "reservation", status=500, code="worker_error")
         return event.reservation
 
     async def _prefill(self, worker: WorkerInfo, prepared: PreparedRequest, rid: str,
-                       reservation: pdserve_pb2.KVDescriptor,
-                       ticket: PrefillTicket) -> pdserve_pb2.PrefillReply:
+                       resume: tuple[int, ...], reservation: pdserve_pb2.KVDescriptor,
+                       ticket: PrefillTicket, tried: set[str]) -> pdserve_pb2.PrefillReply:
         stub = pdserve_pb2_grpc.PrefillWorkerStub(self.router.channel(worker.address))
         request = pdserve_pb2.PrefillRequest(
             request_id=rid, prompt_token_ids=prepared.prompt_token_ids,
             params=prepared.params.to_proto(), destination=reservation,
-            cache_salt=prepared.cache_salt)
+            cache_salt=prepared.cache_salt, resume_token_ids=resume)
         try:
             return await stub.Prefill(request, timeout=self.config.prefill_timeout_s)
         except grpc.aio.AioRpcError as exc:
-            raise self._failed("prefill", worker, exc) from None
+            raise self._failed("prefill", worker, exc, tried) from None
         finally:
             ticket.release()
 
-    async def _next_event(self, call, decode_w: WorkerInfo,
-                          prefill: asyncio.Task | None) -> pdserve_pb2.DecodeEvent:
-        """The next token event of D; raises the Prefill call's error as soon as it fails."""
+    async def _next_event(self, call, decode_w: WorkerInfo, prefill: asyncio.Task | None,
+                          tried: set[str]) -> pdserve_pb2.DecodeEvent:
+        """The next token event of D; raises the Prefill call's error as soon as it fails, and
+        a stall error when D sends nothing for stream_stall_timeout_s (once no prefill runs)."""
+        stall = self.config.stream_stall_timeout_s
         try:
-            if prefill is None:
-                event = await call.read()
-            elif prefill.done():
-                prefill.result()
-                event = await call.read()
-            else:
+            if prefill is not None and not prefill.done():
                 event = await _read_unless_failed(call, prefill)
+            else:
+                if prefill is not None:
+                    prefill.result()
+                event = await asyncio.wait_for(call.read(), stall or None)
+        except asyncio.TimeoutError:
+            self.metrics.stalls.inc()
+            log.warning("decode worker %s at %s sent nothing for %g s", decode_w.id,
+                        decode_w.address, stall)
+            raise GatewayError(f"the decode stream stalled: nothing for {stall:g} s "
+                               "(--stream-stall-timeout)", status=504, code="stream_stalled",
+                               retryable=True) from None
         except grpc.aio.AioRpcError as exc:
-            raise self._failed("decode", decode_w, exc) from None
+            raise self._failed("decode", decode_w, exc, tried) from None
         if event is grpc.aio.EOF:
-            raise GatewayError(f"decode worker {decode_w.id} closed the stream before the request "
-                               f"finished", status=500, code="worker_error")
+            log.warning("decode worker %s closed the stream early", decode_w.id)
+            raise GatewayError("the decode worker closed the stream before the request "
+                               "finished", status=503, code="worker_unavailable",
+                               retryable=True)
         if not event.HasField("tokens"):
-            raise GatewayError(f"decode worker {decode_w.id} sent an unexpected event",
-                               status=500, code="worker_error")
+            raise GatewayError("the decode worker sent an unexpected event", status=500,
+                               code="worker_error")
         return event
 
     async def _finish_prefill(self, prefill: asyncio.Task | None) -> None:

@@ -1,31 +1,123 @@
 """Request models of the OpenAI-compatible REST API (pydantic v2) and their translation into the
-shared `Prompt` + `RawParams` (see params.py). Unknown fields are refused (extra="forbid").
+shared `Prompt` + `RawParams` (see params.py). Unknown fields are refused (extra="forbid"), and
+so are values of another JSON type (strict: no true for a number, no "1" for an integer; 2.0
+is the integer 2, as JSON Schema reads it).
 
 Beyond OpenAI's fields, vLLM's sampling extensions are accepted (top_k, min_p,
 repetition_penalty, min_tokens, stop_token_ids, include_stop_str_in_output,
 skip_special_tokens, ignore_eos, structured_outputs and its older guided_* spellings), so
 clients written for vLLM work unchanged. Accepted but limited: best_of (only = n),
 use_beam_search (only false), suffix (only none); `user` is an end-user id for the caller's
-records and changes nothing. Range checks shared with the gRPC front door live in params.py.
+records and changes nothing. Range checks shared with the gRPC front door live in params.py;
+the OpenAPI schema states them (and the rules across fields that as_template_dict, params.py and
+tools.py apply) so that it describes exactly the requests that are valid, bar what it cannot
+know (the vocabulary, the context left, best_of = n).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import replace
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, StrictInt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt
 
 from gateway.errors import GatewayError, bad_request
-from gateway.params import MAX_TOP_LOGPROBS, Prompt, RawParams, Structured
+from gateway.params import (MAX_CACHE_SALT, MAX_CHOICES, MAX_LOGIT_BIAS, MAX_N,
+                            MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_STRUCTURED_CHARS,
+                            MAX_TOP_LOGPROBS, SEED_LIMIT, Prompt, RawParams, Structured)
 from gateway.tools import check_tools
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
+def _whole(value: Any) -> Any:
+    """JSON (and JSON Schema) reads 2.0 as the integer 2: a number spelled so is taken."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# An integer, or a float with no fraction; never a bool or a numeric string.
+Integer = Annotated[StrictInt, BeforeValidator(_whole)]
+TokenId = Integer
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown fields refused; values of the declared JSON types only (strict: no bool for a
+    number, no "1" for an integer, no 0 for a bool)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# The OpenAPI schema (/openapi.json) states the bounds that params.py and tools.py check, so
+# clients and schema-driven fuzzers see what is valid. They are documented here and checked
+# there (with the messages both front doors share): pydantic does not enforce them.
+
+def _bounded(default: Any = None, **bounds: Any) -> Any:
+    """A field whose schema carries `bounds` (JSON Schema keywords) beside its type."""
+    return Field(default, json_schema_extra=bounds)
+
+
+def _shaped(default: Any = None, **schema: Any) -> Any:
+    """A field whose schema is `schema`: for unions whose parts have bounds of their own."""
+    def put(field_schema: dict) -> None:
+        field_schema.clear()
+        field_schema.update(schema)
+    return Field(default, json_schema_extra=put)
+
+
+_NULL = {"type": "null"}
+_TEXT = {"type": "string", "minLength": 1}
+
+
+def _ids(**bounds: Any) -> dict:
+    """An array of token ids (each also below the vocabulary size, which the schema cannot
+    know)."""
+    return {"type": "array", "items": {"type": "integer", "minimum": 0}, **bounds}
+
+
+def _requires(when: dict, then: dict, given: bool = True) -> dict:
+    """A rule across fields: an object with the properties WHEN must have THEN as well (and,
+    `given`, have them set: an unset field has its default)."""
+    return {"if": {"properties": when, "required": list(when)},
+            "then": {"properties": then, "required": list(then) if given else []}}
+
+
+_NOT_NULL = {"not": {"type": "null"}}
+# what as_template_dict checks: content unless an assistant's tool calls stand for it, a tool
+# message's tool_call_id, tool_calls only on assistant messages
+_MESSAGE_RULES = {"allOf": [
+    {"if": {"not": {"properties": {"role": {"const": "assistant"},
+                                   "tool_calls": {"type": "array", "minItems": 1}},
+                    "required": ["role", "tool_calls"]}},
+     "then": {"properties": {"content": _NOT_NULL}, "required": ["content"]}},
+    _requires({"role": {"const": "tool"}}, {"tool_call_id": {"type": "string", "minLength": 1}}),
+    {"if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+     "then": {"properties": {"tool_calls": {"type": "null"}}}}]}
+_STREAM_OPTIONS_RULE = _requires({"stream_options": _NOT_NULL}, {"stream": {"const": True}})
+
+_TEXT_PART = {"type": "object", "properties": {"type": {"const": "text"},
+                                               "text": {"type": "string"}},
+              "required": ["type", "text"], "additionalProperties": False}
+_TOOL = {"type": "object", "required": ["function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "minLength": 1}, "parameters": {"type": "object"}}}}}
+_CALLED = {"name": {"type": "string", "minLength": 1},
+           "arguments": {"type": ["string", "object"]}}     # JSON text, or the object itself
+_TOOL_CALL = {"type": "object", "properties": {
+    "id": {"type": ["string", "null"]}, "type": {"const": "function"}}, "anyOf": [
+    {"required": ["function"],
+     "properties": {"function": {"type": "object", "required": ["name"], "properties": _CALLED}}},
+    {"required": ["name"], "not": {"required": ["function"]}, "properties": _CALLED}]}
+_TOOL_CHOICE = {"anyOf": [
+    {"enum": ["none", "auto", "required"]},
+    {"type": "object", "required": ["function"], "properties": {
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"],
+                     "properties": {"name": {"type": "string", "minLength": 1}}}}},
+    _NULL]}
 
 
 class StreamOptions(_Strict):
@@ -33,10 +125,14 @@ class StreamOptions(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: str
-    content: Union[str, list[dict], None] = None
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_MESSAGE_RULES)
+
+    role: str = _bounded(..., enum=list(CHAT_ROLES))
+    content: Union[str, list[dict], None] = _shaped(anyOf=[
+        {"type": "string"}, {"type": "array", "items": _TEXT_PART}, _NULL])
     name: str | None = None
-    tool_calls: list[dict] | None = None       # assistant
+    tool_calls: list[dict] | None = _shaped(anyOf=[    # assistant
+        {"type": "array", "items": _TOOL_CALL}, _NULL])
     tool_call_id: str | None = None            # tool
 
     def as_template_dict(self, index: int) -> dict:
@@ -64,6 +160,8 @@ class ChatMessage(_Strict):
             raise bad_request(f"{where} has no content", f"{where}.content")
         if self.tool_calls is not None and self.role != "assistant":
             raise bad_request("only assistant messages carry tool_calls", f"{where}.tool_calls")
+        for j, call in enumerate(self.tool_calls or ()):
+            _check_tool_call(call, f"{where}.tool_calls[{j}]")
         if self.role == "tool" and not self.tool_call_id:
             raise bad_request("a tool message needs tool_call_id", f"{where}.tool_call_id")
         out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
@@ -77,17 +175,41 @@ class ChatMessage(_Strict):
         return out
 
 
+def _check_tool_call(call: dict, where: str) -> None:
+    """An assistant's earlier tool call: {"id", "type": "function", "function": {"name",
+    "arguments"}} (or the function's fields at its top): a name, and arguments as JSON text or
+    an object."""
+    fn = call.get("function", call)
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise bad_request("a tool call is {\"type\": \"function\", \"function\": {\"name\": "
+                          "string, \"arguments\": string}}", where)
+    if not isinstance(fn.get("arguments", ""), (str, dict)):
+        raise bad_request("a tool call's arguments are JSON text (or an object)",
+                          f"{where}.function.arguments")
+    if call.get("type", "function") != "function":
+        raise bad_request(f"unsupported tool call type {call.get('type')!r}; only \"function\"",
+                          f"{where}.type")
+    if not isinstance(call.get("id"), (str, type(None))):
+        raise bad_request("a tool call's id is a string", f"{where}.id")
+
+
 class StructuredOutputs(_Strict):
     """vLLM's `structured_outputs`: exactly one of these."""
 
     json_: Union[dict, str, None] = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
+    regex: str | None = _bounded(minLength=1, maxLength=MAX_STRUCTURED_CHARS, format="regex")
+    choice: list[str] | None = _shaped(anyOf=[
+        {"type": "array", "items": _TEXT, "minItems": 1, "maxItems": MAX_CHOICES}, _NULL])
+    grammar: str | None = _bounded(minLength=1, maxLength=MAX_STRUCTURED_CHARS)
     json_object: bool | None = None
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True,
-                              alias_generator=lambda name: "json" if name == "json_" else name)
+                              alias_generator=lambda name: "json" if name == "json_" else name,
+                              json_schema_extra={"oneOf": [    # exactly one of them set
+                                  {"properties": {k: _NOT_NULL}, "required": [k]}
+                                  for k in ("json", "regex", "choice", "grammar")] + [
+                                  {"properties": {"json_object": {"const": True}},
+                                   "required": ["json_object"]}]})
 
     def to_structured(self) -> Structured:
         given = {k: v for k, v in (("json_schema", self.json_), ("regex", self.regex),
@@ -132,35 +254,41 @@ class ResponseFormat(_Strict):
 
 class _CommonRequest(_Strict):
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: list[StrictInt] | None = None
+    max_tokens: Integer | None = _bounded(minimum=1)      # and prompt + max_tokens <= the context
+    temperature: float | None = _bounded(minimum=0, maximum=2)
+    top_p: float | None = _bounded(exclusiveMinimum=0, maximum=1)
+    top_k: Integer | None = _bounded(minimum=-1)
+    min_p: float | None = _bounded(minimum=0, maximum=1)
+    seed: Integer | None = _bounded(minimum=0, exclusiveMaximum=SEED_LIMIT)   # exact as a float
+    stop: Union[str, list[str], None] = _shaped(anyOf=[
+        _TEXT, {"type": "array", "items": _TEXT, "maxItems": MAX_STOP_STRINGS}, _NULL])
+    stop_token_ids: list[TokenId] | None = _shaped(anyOf=[
+        _ids(maxItems=MAX_STOP_TOKEN_IDS), _NULL])
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     ignore_eos: bool = False
-    min_tokens: int | None = None
-    n: int | None = None
-    best_of: int | None = None
-    use_beam_search: bool = False
+    min_tokens: Integer | None = _bounded(minimum=0)        # and at most max_tokens
+    n: Integer | None = _bounded(minimum=1, maximum=MAX_N)
+    best_of: Integer | None = _bounded(minimum=1, maximum=MAX_N)    # and equal to n
+    use_beam_search: bool = _bounded(False, const=False)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    cache_salt: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    cache_salt: str | None = _bounded(maxLength=MAX_CACHE_SALT)
+    presence_penalty: float | None = _bounded(minimum=-2, maximum=2)
+    frequency_penalty: float | None = _bounded(minimum=-2, maximum=2)
+    repetition_penalty: float | None = _bounded(exclusiveMinimum=0, maximum=2)
+    logit_bias: dict[str, float] | None = _shaped(anyOf=[
+        {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"}, "maxProperties":
+         MAX_LOGIT_BIAS, "additionalProperties": {"type": "number", "minimum": -100,
+                                                  "maximum": 100}}, _NULL])
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: Union[dict, str, None] = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    guided_regex: str | None = _bounded(minLength=1, maxLength=MAX_STRUCTURED_CHARS, format="regex")
+    guided_choice: list[str] | None = _shaped(anyOf=[
+        {"type": "array", "items": _TEXT, "minItems": 1, "maxItems": MAX_CHOICES}, _NULL])
+    guided_grammar: str | None = _bounded(minLength=1, maxLength=MAX_STRUCTURED_CHARS)
 
     @property
     def include_usage(self) -> bool:
@@ -228,10 +356,17 @@ class CompletionRequest(_CommonRequest):
     """POST /v1/completions. `logprobs` is the number of top alternatives (0..20) per token.
     `prompt` may be a list of prompts (strings or token lists): one choice per prompt (n each)."""
 
-    prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
-    logprobs: int | None = None
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": [
+        _STREAM_OPTIONS_RULE,
+        _requires({"logprobs": {"type": "integer"}}, {"echo": {"enum": [False, None]}},
+                  given=False)]})
+
+    prompt: Union[str, list[TokenId], list[str], list[list[TokenId]]] = _shaped(..., anyOf=[
+        _TEXT, _ids(minItems=1), {"type": "array", "items": _TEXT, "minItems": 1},
+        {"type": "array", "items": _ids(minItems=1), "minItems": 1}])
+    logprobs: Integer | None = _bounded(minimum=0, maximum=MAX_TOP_LOGPROBS)
     echo: bool | None = False
-    suffix: str | None = None
+    suffix: str | None = _bounded(maxLength=0)         # not supported
 
     def prompts(self) -> list[Prompt]:
         """The prompts of the request, in order (one for a string or a token list)."""
@@ -261,12 +396,19 @@ class CompletionRequest(_CommonRequest):
 class ChatCompletionRequest(_CommonRequest):
     """POST /v1/chat/completions. `logprobs` is a flag; `top_logprobs` the alternatives (0..20)."""
 
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": [
+        _STREAM_OPTIONS_RULE,
+        _requires({"top_logprobs": {"type": "integer", "minimum": 1}},
+                  {"logprobs": {"const": True}}),
+        _requires({"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
+                  {"tools": {"type": "array", "minItems": 1}})]})
+
+    messages: list[ChatMessage] = _bounded(..., minItems=1)
+    max_completion_tokens: Integer | None = _bounded(minimum=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
-    tools: list[dict] | None = None
-    tool_choice: Union[str, dict, None] = None
+    top_logprobs: Integer | None = _bounded(minimum=0, maximum=MAX_TOP_LOGPROBS)
+    tools: list[dict] | None = _shaped(anyOf=[{"type": "array", "items": _TOOL}, _NULL])
+    tool_choice: Union[str, dict, None] = _shaped(**_TOOL_CHOICE)
     parallel_tool_calls: bool | None = None
 
     def tool_plan(self, parser: str):

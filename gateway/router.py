@@ -5,9 +5,13 @@ Redis is unreachable the last known list stays in use (logged once, and once whe
 so it does for a few seconds when Redis suddenly lists no worker at all (a restart).
 
 Layout check: every worker of a deployment must share `WorkerInfo.layout_key()` (model, block
-size, hash seed, dtype, KV shape) for KV to move between them. The reference is the live worker
-that registered first (smallest started_at, then id), so every gateway replica agrees on it
-without coordination; workers that differ are refused with a warning naming both layouts.
+size, hash seed, dtype, KV shape) for KV to move between them. A worker whose KV shape is not
+the one of the gateway's own model (`expected`: layers, KV heads, head size from its
+config.json) is refused whatever its age, so no registration can impose another model's layout;
+among the others the reference is the live worker that registered first (smallest started_at,
+then id), so every gateway replica agrees on it without coordination; workers that differ are
+refused with a warning naming both layouts. Registrations not signed with the deployment token
+never get this far (pdserve.registry.list_workers).
 
 Choice (--routing):
 - `prefix` (default): the prompt's full blocks are hashed (engine.block_hash, with the
@@ -37,8 +41,9 @@ import redis.asyncio as aioredis
 
 from engine.block_hash import BlockHasher, salt_bytes
 from gateway.errors import GatewayError
+from pdserve import cluster_auth
 from pdserve.prefix_directory import cached_prefix_blocks, directory_sizes
-from pdserve.registry import ROLES, WorkerInfo, cancel_task, list_workers
+from pdserve.registry import ROLES, WorkerInfo, cancel_task, connect, list_workers, redacted
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +55,20 @@ CHANNEL_OPTIONS = (
 )
 
 
-def split_by_layout(workers: list[WorkerInfo]) -> tuple[list[WorkerInfo], list[WorkerInfo]]:
-    """(accepted, refused): accepted share the layout of the earliest registered worker."""
-    if not workers:
-        return [], []
-    reference = min(workers, key=lambda w: (w.started_at, w.id)).layout_key()
-    accepted = [w for w in workers if w.layout_key() == reference]
-    refused = [w for w in workers if w.layout_key() != reference]
+def kv_shape(w: WorkerInfo) -> tuple[int, int, int]:
+    return w.num_layers, w.num_kv_heads, w.head_dim
+
+
+def split_by_layout(workers: list[WorkerInfo], expected: tuple[int, int, int] | None = None
+                    ) -> tuple[list[WorkerInfo], list[WorkerInfo]]:
+    """(accepted, refused): accepted have the `expected` KV shape (layers, KV heads, head size)
+    when given, and share the layout of the earliest registered such worker."""
+    shaped = [w for w in workers if expected is None or kv_shape(w) == expected]
+    if not shaped:
+        return [], list(workers)
+    reference = min(shaped, key=lambda w: (w.started_at, w.id)).layout_key()
+    accepted = [w for w in shaped if w.layout_key() == reference]
+    refused = [w for w in workers if w not in accepted]
     return accepted, refused
 
 
@@ -91,18 +103,17 @@ class Router:
     """
 
     def __init__(self, redis_url: str, poll_s: float = 0.5, routing: str = "prefix",
-                 metrics=None) -> None:
+                 metrics=None, expected_shape: tuple[int, int, int] | None = None) -> None:
         if routing not in ROUTING:
             raise ValueError(f"routing must be one of {ROUTING}, got {routing!r}")
         self.redis_url = redis_url
         self.poll_s = poll_s
         self.routing = routing
         self.metrics = metrics                     # GatewayMetrics: directory sizes
-        self._redis = aioredis.from_url(redis_url, socket_timeout=2.0,
-                                        socket_connect_timeout=2.0)
+        self.expected_shape = expected_shape       # the gateway's model's KV shape
+        self._redis = connect(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
         # directory lookups are on the request path: short timeouts, a pause after a failure
-        self._directory = aioredis.from_url(redis_url, socket_timeout=0.5,
-                                            socket_connect_timeout=0.5)
+        self._directory = connect(redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
         self._directory_down_until = 0.0
         self._reference: WorkerInfo | None = None
         self._queued_tokens: dict[str, int] = {}   # prefill worker id -> uncached tokens queued
@@ -128,11 +139,12 @@ class Router:
         except (aioredis.RedisError, OSError) as exc:
             if not self._redis_down:
                 log.warning("cannot read workers from redis at %s (%s); keeping the last known "
-                            "list of %d workers", self.redis_url, exc, self.num_workers())
+                            "list of %d workers", redacted(self.redis_url), exc,
+                            self.num_workers())
             self._redis_down = True
             return
         if self._redis_down:
-            log.info("redis at %s is reachable again", self.redis_url)
+            log.info("redis at %s is reachable again", redacted(self.redis_url))
         self._redis_down = False
         now = time.monotonic()
         if not workers and self.num_workers():
@@ -157,16 +169,17 @@ class Router:
                 self.metrics.directory_blocks.labels(worker=wid).set(n)
 
     def _apply(self, workers: list[WorkerInfo]) -> None:
-        accepted, refused = split_by_layout(workers)
+        accepted, refused = split_by_layout(workers, self.expected_shape)
         self._reference = min(accepted, key=lambda w: (w.started_at, w.id)) if accepted else None
         for w in refused:
             key = (w.id, w.layout_key())
             if key not in self._warned:
                 self._warned.add(key)
+                want = (accepted[0].layout_key() if accepted else
+                        f"(layers, KV heads, head size) = {self.expected_shape}")
                 log.warning("refusing worker %s (%s at %s): its KV layout %s differs from the "
                             "deployment's %s; restart it with the same model, block size, hash "
-                            "seed and dtype", w.id, w.role, w.address, w.layout_key(),
-                            accepted[0].layout_key())
+                            "seed and dtype", w.id, w.role, w.address, w.layout_key(), want)
         self._refused = {w.id: w for w in refused}
         live = {w.id for w in workers}
         self._avoid_until = {k: v for k, v in self._avoid_until.items() if k in live}
@@ -224,8 +237,8 @@ class Router:
         long as that leaves any."""
         workers = self._workers[role]
         if not workers:
-            raise GatewayError(f"no {role} worker registered (redis: {self.redis_url})",
-                               status=503, code="no_worker")
+            raise GatewayError(f"no {role} worker is available; try again later",
+                               status=503, code="no_worker", retry_after=5.0)
         now = time.monotonic()
         workers = [w for w in workers if w.id not in avoid] or workers
         return [w for w in workers if self._avoid_until.get(w.id, 0.0) <= now] or workers
@@ -341,7 +354,7 @@ class Router:
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            ch = cluster_auth.current().channel(address, CHANNEL_OPTIONS)
             self._channels[address] = ch
         return ch
 

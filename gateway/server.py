@@ -21,14 +21,16 @@ import uvicorn
 
 from gateway.auth import OPEN_PATHS, ApiKeys, AuthInterceptor, AuthMiddleware, grpc_credentials
 from gateway.grpc_api import add_services
-from gateway.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
+from gateway.limits import DEFAULT_MAX_IN_FLIGHT, DEFAULT_MAX_REQUEST_BYTES, BodyLimit, InFlight
 from gateway.openai_api import create_app
 from gateway.params import RequestPreparer, ServedModel
 from gateway.pipeline import Pipeline, PipelineConfig
 from gateway.router import CHANNEL_OPTIONS, Router
 from gateway.tokenizer import Tokenizer
+from pdserve import cluster_auth
 from pdserve.metrics import GatewayMetrics
 from pdserve.paths import resolve_model
+from pdserve.registry import configure_redis, redacted
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,14 @@ def served_model(model_dir: Path, name: str | None, max_model_len: int,
                        tool_call_parser=tool_call_parser or "")
 
 
+def kv_shape(model_dir: Path) -> tuple[int, int, int]:
+    """(layers, KV heads, head size) of the model's KV, as its workers register it."""
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    heads = config["num_attention_heads"]
+    return (config["num_hidden_layers"], config.get("num_key_value_heads") or heads,
+            config.get("head_dim") or config["hidden_size"] // heads)
+
+
 class _Uvicorn(uvicorn.Server):
     """uvicorn without its own signal handling: the gateway owns SIGINT/SIGTERM."""
 
@@ -63,22 +73,30 @@ async def serve(args: argparse.Namespace) -> None:
                           args.max_tokens_default, args.tool_call_parser)
     preparer = RequestPreparer(Tokenizer(model_dir), served)
     metrics = GatewayMetrics()
-    router = Router(args.redis_url, routing=args.routing, metrics=metrics)
+    auth = cluster_auth.configure(getattr(args, "cluster_token_file", None))
+    configure_redis(getattr(args, "redis_password_file", None),
+                    getattr(args, "redis_ca_cert", None))
+    router = Router(args.redis_url, routing=args.routing, metrics=metrics,
+                    expected_shape=kv_shape(model_dir))
     pipeline = Pipeline(router, preparer.tokenizer, PipelineConfig(
         local_prefill_max_tokens=args.local_prefill_max_tokens,
-        local_prefill_queue=args.local_prefill_queue), metrics)
+        local_prefill_queue=args.local_prefill_queue,
+        max_migrations=getattr(args, "max_migrations", 2),
+        stream_stall_timeout_s=getattr(args, "stream_stall_timeout", 120.0)), metrics)
 
     keys = ApiKeys.from_sources(getattr(args, "api_key", None),
                                 getattr(args, "api_key_file", None))
     tls = _tls(args)
-    grpc_server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[AuthInterceptor(keys)])
-    health = await add_services(grpc_server, preparer, pipeline)
+    grpc_server = grpc.aio.server(options=[*CHANNEL_OPTIONS, *cluster_auth.SERVER_KEEPALIVE],
+                                  interceptors=[AuthInterceptor(keys)])
+    admission = InFlight(getattr(args, "max_in_flight", DEFAULT_MAX_IN_FLIGHT), metrics)
+    health = await add_services(grpc_server, preparer, pipeline, admission)
     address = f"{args.host}:{args.grpc_port}"
     grpc_port = (grpc_server.add_secure_port(address, grpc_credentials(*tls)) if tls
                  else grpc_server.add_insecure_port(address))
     if not grpc_port:
         raise SystemExit(f"cannot bind the gRPC port {args.host}:{args.grpc_port}")
-    app = create_app(preparer, pipeline, router)
+    app = create_app(preparer, pipeline, router, admission)
     open_paths = frozenset() if getattr(args, "protect_metrics", False) else OPEN_PATHS
     ssl = {}
     if tls:
@@ -97,11 +115,12 @@ async def serve(args: argparse.Namespace) -> None:
     await router.start()
     await grpc_server.start()
     log.info("gateway serving %s (max_model_len %d, max_tokens_default %d, tool calls %s, "
-             "%s): REST %s://%s:%d, gRPC %s:%d%s, redis %s", served.name, served.max_model_len,
-             served.max_tokens_default, served.tool_call_parser or "off",
+             "%s, %s): REST %s://%s:%d, gRPC %s:%d%s, redis %s", served.name,
+             served.max_model_len, served.max_tokens_default, served.tool_call_parser or "off",
              f"{len(keys)} API key(s)" if keys.enabled else "no API key: open to anyone",
+             "deployment token set" if auth.enabled else "no deployment token: workers open",
              "https" if tls else "http", args.host, args.http_port, args.host, grpc_port,
-             " (TLS)" if tls else "", args.redis_url)
+             " (TLS)" if tls else "", redacted(args.redis_url))
     try:
         await http.serve()
     finally:

@@ -32,6 +32,9 @@ class ChatTemplateError(ValueError):
     """The conversation cannot be rendered (the template raised, or the model has none)."""
 
 
+LONG_TEXT_CHARS = 16384
+
+
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
@@ -157,6 +160,10 @@ class Tokenizer:
         self.supports_tools = template_uses_tools(self.chat_template_source)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > LONG_TEXT_CHARS:
+            # the batch call releases the GIL while it works (the single one holds it): a long
+            # prompt tokenized on a thread leaves the event loop serving the other streams
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

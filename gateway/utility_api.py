@@ -15,11 +15,11 @@ from typing import Any, TypeVar
 
 from fastapi import Body, FastAPI
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gateway.errors import GatewayError, bad_request
 from gateway.params import RequestPreparer
-from gateway.protocol import ChatMessage, validation_error
+from gateway.protocol import ChatMessage, TokenId, validation_error
 from gateway.tokenizer import ChatTemplateError
 
 FALLBACK_VERSION = "0.1.0"
@@ -28,7 +28,7 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class _TokenizeBase(_Strict):
@@ -42,14 +42,15 @@ class TokenizeCompletionRequest(_TokenizeBase):
 
 
 class TokenizeChatRequest(_TokenizeBase):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     add_generation_prompt: bool = True
     add_special_tokens: bool = False      # the chat template already holds them
 
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[StrictInt]
+    tokens: list[TokenId] = Field(json_schema_extra={"items": {"type": "integer",
+                                                               "minimum": 0}})
 
 
 def package_version() -> str:
@@ -66,6 +67,28 @@ def _parse(model: type[M], body: dict[str, Any]) -> M:
         return model.model_validate(body)
     except ValidationError as exc:
         raise validation_error(list(exc.errors())) from None
+
+
+def _inline(schema: Any, defs: dict) -> Any:
+    """SCHEMA with its `#/$defs/NAME` references replaced by the definitions themselves."""
+    if isinstance(schema, list):
+        return [_inline(s, defs) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    ref = schema.get("$ref", "")
+    if ref.startswith("#/$defs/"):
+        return _inline(defs[ref.removeprefix("#/$defs/")], defs)
+    return {k: _inline(v, defs) for k, v in schema.items() if k != "$defs"}
+
+
+def _documented_body(*models: type[BaseModel]) -> dict:
+    """`openapi_extra` stating that a route's body is one of MODELS: the route takes a plain dict
+    and picks the model itself (so its errors name the field), and FastAPI would describe that
+    as any object."""
+    schemas = [m.model_json_schema() for m in models]
+    one = [_inline(s, s.get("$defs", {})) for s in schemas]
+    body = one[0] if len(one) == 1 else {"anyOf": one}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": body}}}}
 
 
 def _error(err: GatewayError) -> JSONResponse:
@@ -126,14 +149,15 @@ def add_utility_routes(app: FastAPI, preparer: RequestPreparer) -> None:
     server = UtilityServer(preparer)
     version = package_version()
 
-    @app.post("/tokenize")
+    @app.post("/tokenize",
+              openapi_extra=_documented_body(TokenizeCompletionRequest, TokenizeChatRequest))
     async def tokenize(body: dict = Body(...)):
         try:
             return server.tokenize(body)
         except GatewayError as err:
             return _error(err)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=_documented_body(DetokenizeRequest))
     async def detokenize(body: dict = Body(...)):
         try:
             return server.detokenize(body)

@@ -5,7 +5,8 @@ Transports register by name (`register_transport`) and are created lazily from a
 (`--kv-transport`): `grpc` (a client stream into the decode worker's PushKV RPC), `nixl`
 (one-sided WRITEs into the decode worker's registered pool), `torch` (torch.distributed send/recv
 on a two-rank group per worker pair: gloo on CPUs, NCCL on GPUs). See kvtransfer.base for the
-contract.
+contract, kvtransfer.integrity for the block checksums and the rules every receiver holds what it
+receives to.
 """
 
 from kvtransfer.base import (KVReceiver, KVSender, KVSendStream, KVSink, KVTransferError,

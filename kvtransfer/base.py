@@ -20,7 +20,9 @@ and waits for it without blocking the event loop (`poll_until`) and without a de
 
 Receiver side (decode): a KVReceiver lands arriving blocks through a `KVSink`, which the decode
 service implements: it knows which blocks each request reserved, writes into its pool, and is told
-when a request's transfer is complete.
+when a request's transfer is complete, or that it is unusable (`reject`). Receivers trust nothing
+they receive: kvtransfer.integrity.Intake holds every piece to the request's reservation, the
+layout's sizes and the sender's checksums before a request may run.
 
 Both sides check the KV layout (dtype, block size, layers, KV heads, head size) before any byte
 moves, and refuse a mismatch with a message naming the differing fields.
@@ -99,6 +101,7 @@ class KVSink(Protocol):
     """Implemented by the decode service; called by receivers on the decode worker's loop."""
 
     layout: KVLayout
+    vocab_size: int               # first tokens outside [0, vocab_size) are refused
 
     def reserved_blocks(self, request_id: str) -> list[int] | None:
         """Blocks reserved for the request, or None if it is not (or no longer) expected."""
@@ -106,10 +109,12 @@ class KVSink(Protocol):
     def expecting(self) -> bool:
         """Whether some request is waiting for its KV now."""
 
-    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+    async def write(self, block_ids: list[int], data: torch.Tensor) -> None:
         """data: [num_layers, 2, len(block_ids), block_size, kv_heads, head_dim], on the host
-        (built from message bytes) or on the pool's device (an NCCL receive). Called off the
-        event loop; may return once the copies are queued on the device's current stream."""
+        (built from message bytes) or on the pool's device (an NCCL receive). The copy runs
+        off the event loop and may return once it is queued on the device's current stream;
+        the blocks stay held until then, so a request aborted meanwhile cannot hand them to
+        another request while they are being written."""
 
     @property
     def pool(self) -> torch.Tensor:
@@ -118,6 +123,13 @@ class KVSink(Protocol):
     async def complete(self, request_id: str, first_token: int,
                        first_logprob: TokenLogprob | None) -> None:
         """All blocks written; the request may start decoding."""
+
+    async def reject(self, request_id: str, message: str, kind: str) -> None:
+        """The request's KV is unusable (kind "invalid": a transfer that broke a rule;
+        "checksum": corrupted KV): end its reservation; the decode service fails the request
+        with `message` or computes its prompt itself. Called once the sender has stopped writing
+        the request's blocks (two-sided transports write only through the sink; a one-sided one
+        rejects at the completion notice, which follows its last write)."""
 
 
 class KVSendStream(abc.ABC):

@@ -9,6 +9,12 @@ Blocks cross the host on both sides through kvtransfer.staging: the sender gathe
 pool's device into a reusable (on CUDA page-locked) buffer and sends its bytes; the decode
 service's sink copies them back to its device the same way. The gather runs on the stream the
 engine computes on, behind the step that wrote the blocks, so `ready` events are not waited for.
+
+Integrity: each message carries the checksums of its blocks (kvtransfer.integrity), computed on
+the sender's device from the gathered blocks and copied back with them; the receiver holds every
+message to the request's reservation (kvtransfer.integrity.Intake) before writing, and checks the
+checksums on its pool once the last message is in. Calls carry the deployment token
+(pdserve.cluster_auth), which the worker's server checks.
 """
 
 from __future__ import annotations
@@ -23,9 +29,11 @@ from engine.engine import KVLayout
 from engine.request import TokenLogprob
 from kvtransfer.base import (KVReceiver, KVSender, KVSendStream, KVSink, KVTransferError,
                              LayoutMismatch, TransferTarget, check_layout)
+from kvtransfer.integrity import Intake, Refused, checksums
 from kvtransfer.staging import HostStaging
 from kvtransfer.wire import (completion_chunk, first_logprob_of, layout_from_pb, layout_to_pb,
                              tensor_from_bytes)
+from pdserve import cluster_auth
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
@@ -45,6 +53,7 @@ class _GrpcSendStream(KVSendStream):
         self.target = target
         self.step = sender.blocks_per_message
         self.staging = sender.staging(kv.device)
+        self.digest = checksums if sender.checksum else None
         self.sender_layout = sender.layout
         self.layout = layout_to_pb(sender.layout)
         self._out: asyncio.Queue = asyncio.Queue()
@@ -75,9 +84,11 @@ class _GrpcSendStream(KVSendStream):
         self._failed()
         for i in range(0, len(src_blocks), self.step):
             src = src_blocks[i:i + self.step]
-            data = await asyncio.to_thread(self.staging.blocks_to_bytes, self.kv, src)
+            data, sums = await asyncio.to_thread(self.staging.blocks_and_digest, self.kv, src,
+                                                 self.digest)
             self._out.put_nowait(pb.KVChunk(request_id=self.request_id, layout=self.layout,
-                                            block_ids=dst_blocks[i:i + self.step], data=data))
+                                            block_ids=dst_blocks[i:i + self.step], data=data,
+                                            checksums=sums))
 
     async def finish(self, first_token: int, first_logprob: TokenLogprob | None,
                      src_blocks: list[int] = (), dst_blocks: list[int] = (),
@@ -104,9 +115,13 @@ class GrpcKVSender(KVSender):
     name = "grpc"
 
     def __init__(self, layout: KVLayout, kv: torch.Tensor | None = None,
-                 blocks_per_message: int = 16, timeout_s: float = 600.0) -> None:
-        """kv: the pool blocks will be sent from (its device picks the staging memory)."""
+                 blocks_per_message: int = 16, timeout_s: float = 600.0,
+                 checksum: bool = True) -> None:
+        """kv: the pool blocks will be sent from (its device picks the staging memory);
+        checksum: send the blocks' checksums (--kv-checksum)."""
         self.layout = layout
+        self.checksum = checksum
+        self.auth = cluster_auth.current()
         self._staging: dict[torch.device, HostStaging] = {}
         if kv is not None:
             self.staging(kv.device)
@@ -117,7 +132,7 @@ class GrpcKVSender(KVSender):
     def _stub(self, address: str) -> pb_grpc.DecodeWorkerStub:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            ch = self._channels[address] = self.auth.channel(address, CHANNEL_OPTIONS)
         return pb_grpc.DecodeWorkerStub(ch)
 
     def staging(self, device: torch.device) -> HostStaging:
@@ -137,38 +152,46 @@ class GrpcKVSender(KVSender):
 
 
 class GrpcKVReceiver(KVReceiver):
-    """Serves the body of DecodeWorker.PushKV; the decode servicer delegates to `push_kv`."""
+    """Serves the body of DecodeWorker.PushKV; the decode servicer delegates to `push_kv`.
+    checksum: require the senders' checksums and verify them (--kv-checksum)."""
 
     name = "grpc"
 
-    def __init__(self, sink: KVSink, address: str) -> None:
+    def __init__(self, sink: KVSink, address: str, checksum: bool = True) -> None:
         self.sink = sink
         self._address = address
+        self.intake = Intake(sink, checksum)
 
     def address(self) -> str:
         return self._address
 
     async def push_kv(self, requests, context: grpc.aio.ServicerContext) -> pb.PushKVReply:
+        """Each message is checked before any of its bytes are written; a request whose
+        transfer breaks a rule is rejected (the sink fails it or computes it) and the call ends
+        with INVALID_ARGUMENT (DATA_LOSS for corrupted KV, NOT_FOUND without a reservation)."""
         received = 0
         async for chunk in requests:
             try:
                 check_layout(self.sink.layout, layout_from_pb(chunk.layout))
             except LayoutMismatch as exc:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            reserved = self.sink.reserved_blocks(chunk.request_id)
-            if reserved is None:
-                await context.abort(grpc.StatusCode.NOT_FOUND,
-                                    f"request {chunk.request_id} has no KV reservation here "
-                                    "(aborted, finished, or never reserved)")
-            ids = list(chunk.block_ids)
-            if not set(ids) <= set(reserved):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"request {chunk.request_id}: blocks {ids} not reserved for it")
-            if ids:
-                data = tensor_from_bytes(chunk.data, self.sink.layout, len(ids))
-                await asyncio.to_thread(self.sink.write_blocks, ids, data)
-                received += len(ids)
+            try:
+                ids = self.intake.admit(chunk.request_id, chunk.block_ids, len(chunk.data),
+                                        chunk.checksums)
+                if ids:
+                    data = tensor_from_bytes(chunk.data, self.sink.layout, len(ids))
+                    await self.sink.write(ids, data)
+                    received += len(ids)
+                if chunk.last:
+                    await self.intake.finish(chunk.request_id, chunk.first_token_id)
+            except Refused as exc:
+                await self.intake.reject(exc)
+                await context.abort(_STATUS[exc.kind], str(exc))
             if chunk.last:
                 await self.sink.complete(chunk.request_id, chunk.first_token_id,
                                          first_logprob_of(chunk))
         return pb.PushKVReply(blocks_received=received)
+
+
+_STATUS = {"unknown": grpc.StatusCode.NOT_FOUND, "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+           "checksum": grpc.StatusCode.DATA_LOSS}

@@ -15,16 +15,19 @@ from engine.engine import KVLayout
 from engine.request import TokenLogprob
 from kvtransfer.base import KVReceiver, create_receiver
 from kvtransfer.staging import HostStaging
+from pdserve import cluster_auth
 from proto import pdserve_pb2_grpc as pb_grpc
 
 
 class MemorySink:
     """Reservations and a pool of `num_blocks` blocks on `device`; `completed` records first
-    tokens. Writes go through HostStaging, as the decode service's do."""
+    tokens, `rejected` the receivers' refusals (kvtransfer.integrity). Writes go through
+    HostStaging, as the decode service's do. vocab_size: as large as any model's by default."""
 
     def __init__(self, layout: KVLayout, num_blocks: int,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", vocab_size: int = 1 << 18) -> None:
         self.layout = layout
+        self.vocab_size = vocab_size
         self.kv = torch.zeros(layout.num_layers, 2, num_blocks, layout.block_size,
                               layout.num_kv_heads, layout.head_dim, dtype=DTYPES[layout.dtype],
                               device=device)
@@ -32,6 +35,7 @@ class MemorySink:
         self.reservations: dict[str, list[int]] = {}
         self.completed: dict[str, tuple[int, TokenLogprob | None]] = {}
         self.completed_at: dict[str, float] = {}     # time.monotonic(), comparable across processes
+        self.rejected: dict[str, tuple[str, str]] = {}    # request id -> (kind, message)
         self.done = asyncio.Event()
 
     @property
@@ -47,12 +51,20 @@ class MemorySink:
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         self.staging.write_blocks(self.kv, block_ids, data)
 
+    async def write(self, block_ids: list[int], data: torch.Tensor) -> None:
+        await asyncio.to_thread(self.write_blocks, block_ids, data)
+
     async def complete(self, request_id: str, first_token: int,
                        first_logprob: TokenLogprob | None) -> None:
         self.reservations.pop(request_id)
         self.completed[request_id] = (first_token, first_logprob)
         self.completed_at[request_id] = time.monotonic()
         self.done.set()
+
+    async def reject(self, request_id: str, message: str, kind: str) -> None:
+        if self.reservations.pop(request_id, None) is not None:
+            self.rejected[request_id] = (kind, message)
+            self.done.set()
 
 
 class _PushKVOnly(pb_grpc.DecodeWorkerServicer):
@@ -64,12 +76,14 @@ class _PushKVOnly(pb_grpc.DecodeWorkerServicer):
 
 
 @contextlib.asynccontextmanager
-async def receiving(name: str, sink: MemorySink, address: str):
-    """A receiver of transport `name` for `sink` (with a PushKV server at `address` for grpc)."""
-    receiver: KVReceiver = create_receiver(name, sink, address=address)
+async def receiving(name: str, sink: MemorySink, address: str, **kw):
+    """A receiver of transport `name` for `sink` (with a PushKV server at `address` for grpc,
+    which checks the deployment token as the workers' servers do); kw: the receiver's options."""
+    receiver: KVReceiver = create_receiver(name, sink, address=address, **kw)
     server = None
     if name == "grpc":
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20)])
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20)],
+                                 interceptors=cluster_auth.current().server_interceptors())
         pb_grpc.add_DecodeWorkerServicer_to_server(_PushKVOnly(receiver), server)
         server.add_insecure_port(address)
         await server.start()

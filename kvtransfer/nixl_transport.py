@@ -21,11 +21,25 @@ A WRITE reads the source blocks outside the stream the engine computes on, so it
 once the step that wrote them has completed on the device: the sender polls the step's `ready`
 event (`query()`, backing off like its other waits) before posting; with `ready` None (CPUs) it
 posts at once.
+
+Trust. The receiver cannot see the WRITEs, so it checks what the completion notice claims: it
+lists every block of the transfer with its checksum (kvtransfer.integrity, computed by the sender
+on its device, on a side stream once the step is final, so not behind the engine's next steps);
+the ids must be exactly the request's reservation, and the pool's blocks must match the
+checksums before the request runs. Notices carry ClusterAuth.sign of their fields, and unsigned
+ones are ignored, so a stranger cannot complete a request or release blocks kept aside. The
+sender bounds every descriptor: source ids inside its own pool, destination ids below the
+peer's advertised block count, and the peer's advertised region (NixlPeer.region_bytes) exactly
+a pool of the layout. The receiver registers exactly its pool tensor (one region: its address
+and size), so remote WRITEs can reach nothing else of its memory. Anyone who holds the agent
+metadata (it travels in KV descriptors, which only the deployment's processes receive) can still
+WRITE into that region; the checksums catch such writes into reserved blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -36,8 +50,11 @@ import torch
 from engine.engine import KVLayout
 from engine.request import TokenLogprob
 from kvtransfer.base import (KVReceiver, KVSender, KVSendStream, KVSink, KVTransferError,
-                             TransferTarget, check_layout, poll_until)
-from kvtransfer.wire import chunk_from_bytes, completion_to_bytes, first_logprob_of, layout_from_pb
+                             TransferTarget, block_bytes, check_layout, poll_until)
+from kvtransfer.integrity import Intake, Refused, block_checksums, host_values
+from kvtransfer.wire import (chunk_from_bytes, completion_chunk, first_logprob_of,
+                             layout_from_pb, notice_fields)
+from pdserve import cluster_auth
 from proto import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -104,9 +121,23 @@ class _NixlSendStream(KVSendStream):
         self.peer = peer
         self.remote = remote
         self._handles: list = []
+        self._dst: list[int] = []                # every block written so far, in order
+        self._sums: list[torch.Tensor] = []      # their checksums, on the sender's device
 
     def _descs(self, src: list[int], dst: list[int]):
         s, elem = self.sender, self.sender.elem
+        if len(src) != len(dst):
+            raise KVTransferError(f"request {self.request_id}: {len(src)} source blocks for "
+                                  f"{len(dst)} destination blocks")
+        outside = [b for b in src if not 0 <= b < s.num_blocks]
+        if outside:
+            raise KVTransferError(f"request {self.request_id}: source blocks {outside[:8]} "
+                                  f"outside this worker's pool of {s.num_blocks}")
+        outside = [b for b in dst if not 0 <= b < self.peer.num_blocks]
+        if outside:
+            raise KVTransferError(f"request {self.request_id}: destination blocks "
+                                  f"{outside[:8]} outside {self.target.engine_id}'s pool of "
+                                  f"{self.peer.num_blocks}")
         local, remote = [], []
         for src_run, dst_run in _paired_runs(src, dst):
             local += block_regions(s.base, s.num_blocks, s.layout, elem, src_run)
@@ -166,19 +197,42 @@ class _NixlSendStream(KVSendStream):
         self._reap()
         await self._ready(ready)
         self._post(list(src_blocks), list(dst_blocks))
+        self._record(list(src_blocks), list(dst_blocks))
+
+    def _record(self, src: list[int], dst: list[int]) -> None:
+        """Keep the written blocks for the completion notice, with their checksums queued on
+        the sender's side stream (the step that wrote them has completed)."""
+        self._dst += dst
+        if self.sender.checksum and src:
+            with self.sender.side_stream():
+                self._sums.append(block_checksums(self.sender.kv, src))
+
+    async def _notice(self, first_token: int, first_logprob: TokenLogprob | None) -> bytes:
+        """The signed completion: every block written and its checksum, the first token."""
+        s = self.sender
+        sums = []
+        if self._sums:
+            with s.side_stream():
+                gathered = torch.cat(self._sums)
+            sums = await host_values(gathered, s.timeout_s, s.side)
+        chunk = completion_chunk(self.request_id, s.layout, first_token, first_logprob,
+                                 self._dst, sums)
+        chunk.signature = s.auth.sign(notice_fields(chunk))
+        return chunk.SerializeToString()
 
     async def finish(self, first_token: int, first_logprob: TokenLogprob | None,
                      src_blocks: list[int] = (), dst_blocks: list[int] = (),
                      ready: object | None = None) -> None:
-        done = completion_to_bytes(self.request_id, self.sender.layout, first_token,
-                                   first_logprob)
         if src_blocks:
             # The notification travels with the last WRITE: NIXL sends it once the endpoint
             # is flushed, so after the data of this WRITE and of every earlier one.
             await self._ready(ready)
+            self._record(list(src_blocks), list(dst_blocks))
+            done = await self._notice(first_token, first_logprob)
             self._post(list(src_blocks), list(dst_blocks), done)
             await self._wait()
         else:
+            done = await self._notice(first_token, first_logprob)
             await self._wait()
             try:
                 self.sender.agent.send_notif(self.remote, done)
@@ -196,8 +250,9 @@ class _NixlSendStream(KVSendStream):
         finally:
             self._handles.clear()
         try:
-            notice = pb.KVChunk(request_id=self.request_id, last=False).SerializeToString()
-            self.sender.agent.send_notif(self.remote, notice)
+            notice = pb.KVChunk(request_id=self.request_id, last=False)
+            notice.signature = self.sender.auth.sign(notice_fields(notice))
+            self.sender.agent.send_notif(self.remote, notice.SerializeToString())
         except Exception:       # the decode worker is gone: its lease frees the blocks
             pass
 
@@ -206,10 +261,14 @@ class NixlKVSender(KVSender):
     name = "nixl"
 
     def __init__(self, layout: KVLayout, kv: torch.Tensor, progress_thread: bool = False,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, checksum: bool = True) -> None:
+        """checksum: put the blocks' checksums in the completion notice (--kv-checksum)."""
         self.layout = layout
         self.kv = kv
         self.timeout_s = timeout_s
+        self.checksum = checksum
+        self.auth = cluster_auth.current()
+        self.side = torch.cuda.Stream(kv.device) if kv.is_cuda else None
         self.agent = _agent(f"pdserve-prefill-{os.getpid()}-{id(self):x}", progress_thread)
         self._registration = self.agent.register_memory(kv)
         self.base = kv.data_ptr()
@@ -217,6 +276,28 @@ class NixlKVSender(KVSender):
         self.elem = kv.element_size()
         self.memory = _memory(kv)
         self._remotes: dict[str, str] = {}       # agent name -> name nixl knows it by
+
+    def side_stream(self):
+        """Where checksums are computed: off the engine's stream (CUDA), so they wait for
+        nothing but the blocks' own step, which has completed when they are queued."""
+        return torch.cuda.stream(self.side) if self.side is not None else contextlib.nullcontext()
+
+    def _check_peer(self, peer: pb.NixlPeer, target: TransferTarget) -> None:
+        """The peer's advertised region must be a pool of our layout, and the target's blocks
+        inside it."""
+        who = target.engine_id
+        if peer.memory_type not in ("DRAM", "VRAM"):
+            raise KVTransferError(f"decode worker {who}: unknown NIXL memory type "
+                                  f"{peer.memory_type!r}")
+        need = peer.num_blocks * block_bytes(self.layout)
+        if peer.num_blocks == 0 or peer.region_bytes != need:
+            raise KVTransferError(f"decode worker {who} advertises a KV region of "
+                                  f"{peer.region_bytes} bytes for {peer.num_blocks} blocks; the "
+                                  f"layout needs {need}")
+        outside = [b for b in target.block_ids if b >= peer.num_blocks]
+        if outside:
+            raise KVTransferError(f"decode worker {who}: blocks {outside[:8]} outside its pool "
+                                  f"of {peer.num_blocks}")
 
     def open(self, request_id: str, kv: torch.Tensor, target: TransferTarget) -> KVSendStream:
         check_layout(self.layout, target.layout)
@@ -229,6 +310,7 @@ class NixlKVSender(KVSender):
         if not peer.agent_name:
             raise KVTransferError(f"decode worker {target.engine_id} sent no NIXL metadata "
                                   "(does it run --kv-transport nixl?)")
+        self._check_peer(peer, target)
         remote = self._remotes.get(peer.agent_name)
         if remote is None:
             loaded = self.agent.add_remote_agent(peer.agent_metadata)
@@ -246,25 +328,35 @@ class NixlKVSender(KVSender):
 
 
 class NixlKVReceiver(KVReceiver):
-    """Registers the decode worker's pool; completes requests from NIXL notifications."""
+    """Registers the decode worker's pool; completes requests from NIXL notifications.
+    checksum: require the senders' checksums and verify them on the pool (--kv-checksum)."""
 
     name = "nixl"
 
     def __init__(self, sink: KVSink, address: str, progress_thread: bool = False,
-                 lease_s: float = 60.0) -> None:
+                 lease_s: float = 60.0, checksum: bool = True) -> None:
         self.sink = sink
         self._address = address
         self.lease_s = lease_s
+        self.intake = Intake(sink, checksum)
+        self.auth = cluster_auth.current()
         self._quarantined: dict[str, tuple[list[int], object, float]] = {}
         kv = sink.pool
         self.agent_name = f"pdserve-decode-{address}-{os.getpid()}"
         self.agent = _agent(self.agent_name, progress_thread)
-        self._registration = self.agent.register_memory(kv)
         mem, dev = _memory(kv)
+        if not kv.is_contiguous():
+            raise KVTransferError("the nixl receiver registers its KV pool as one region: the "
+                                  "pool must be contiguous")
+        # Exactly the pool tensor: its first byte to its last, nothing around it (a view of a
+        # larger allocation would register only itself too).
+        self.region = (kv.data_ptr(), kv.numel() * kv.element_size(), dev)
+        self._registration = self.agent.register_memory([(*self.region, "")], mem)
         self._metadata = pb.NixlPeer(agent_name=self.agent_name,
                                      agent_metadata=self.agent.get_agent_metadata(),
                                      base_address=kv.data_ptr(), num_blocks=kv.shape[2],
-                                     device_id=dev, memory_type=mem).SerializeToString()
+                                     device_id=dev, memory_type=mem,
+                                     region_bytes=self.region[1]).SerializeToString()
         self._task = asyncio.get_running_loop().create_task(self._poll())
 
     one_sided = True
@@ -312,6 +404,10 @@ class NixlKVReceiver(KVReceiver):
         except Exception as exc:
             log.warning("ignoring a NIXL notification that is not a KV message: %s", exc)
             return
+        if not self.auth.verify(notice_fields(chunk), chunk.signature):
+            log.warning("request %s: ignoring a NIXL notification without the deployment's "
+                        "signature", chunk.request_id)
+            return
         self._release(chunk.request_id, "notified")
         if not chunk.last:
             return                               # the sender's abort notice
@@ -320,8 +416,14 @@ class NixlKVReceiver(KVReceiver):
         except KVTransferError as exc:
             log.warning("request %s: %s", chunk.request_id, exc)
             return
-        if self.sink.reserved_blocks(chunk.request_id) is None:
-            return                               # aborted meanwhile
+        try:        # the WRITEs are not seen: the notice's claims are checked instead
+            self.intake.admit(chunk.request_id, chunk.block_ids, None, chunk.checksums)
+            await self.intake.finish(chunk.request_id, chunk.first_token_id)
+        except Refused as exc:
+            if exc.kind != "unknown":            # unknown: aborted meanwhile
+                log.warning("%s", exc)
+            await self.intake.reject(exc)
+            return
         await self.sink.complete(chunk.request_id, chunk.first_token_id, first_logprob_of(chunk))
 
     async def close(self) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -84,15 +85,28 @@ class HostStaging:
         """The bytes of `kv[:, :, block_ids]` (kv: [layers, 2, blocks, block_size, kv_heads,
         head_dim] on this staging's device), in that tensor's C order. Blocks until the copy is on
         the host: call it off the event loop."""
+        return self.blocks_and_digest(kv, block_ids, None)[0]
+
+    def blocks_and_digest(self, kv: torch.Tensor, block_ids: list[int],
+                          digest: Callable[[torch.Tensor], torch.Tensor] | None
+                          ) -> tuple[bytes, list[int]]:
+        """blocks_to_bytes, and `digest(gathered blocks)` (an int64 tensor computed on the
+        device, e.g. kvtransfer.integrity.checksums) copied back with them: one wait for both;
+        [] without a digest."""
         index = host_to_device(torch.tensor(block_ids, dtype=torch.long), kv.device)
         gathered = kv.index_select(2, index)     # [layers, 2, len(block_ids), bs, heads, dim]
         nbytes = gathered.numel() * gathered.element_size()
+        sums = None
+        if digest is not None:
+            computed = digest(gathered)
+            sums = torch.empty(computed.shape, dtype=computed.dtype, pin_memory=self.pinned)
+            sums.copy_(computed, non_blocking=self.pinned)
         with self._buffer(nbytes) as buf:
             buf.view(gathered).copy_(gathered, non_blocking=self.pinned)
             copied = self._record()
             if copied is not None:
-                copied.synchronize()             # that copy (and what it queued behind) only
-            return buf.data[:nbytes].numpy().tobytes()
+                copied.synchronize()             # those copies (and what they queued behind)
+            return buf.data[:nbytes].numpy().tobytes(), [] if sums is None else sums.tolist()
 
     def write_blocks(self, pool: torch.Tensor, block_ids: list[int], data: torch.Tensor) -> None:
         """pool[:, :, block_ids] = data (data: [layers, 2, len(block_ids), block_size, kv_heads,

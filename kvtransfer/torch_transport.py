@@ -8,13 +8,22 @@ the rendezvous blocks) over a PrefixStore of that id
 (prefill rank 0, decode rank 1). The decode worker listens for announcements on one thread and
 receives on one thread per channel.
 
-On a channel, one message is three sends: a header [meta bytes, blocks], the meta (a KVChunk
-without data: request id, layout, destination block ids, `last` with the first token), then the
-blocks' data [layers, 2, blocks, block_size, kv_heads, head_dim] if any. A channel's messages go
-out from one thread, in order; messages of several requests interleave whole. The receiver checks
-every message against the request's reservation before writing (two-sided: a late message of an
-aborted request is dropped). A sender that closes says goodbye (a header of -1), which ends the
-receiving thread.
+On a channel, one message is up to four sends: a header [meta bytes, blocks, checksums follow],
+the meta (a KVChunk without data: request id, layout, destination block ids, `last` with the
+first token), then the blocks' data [layers, 2, blocks, block_size, kv_heads, head_dim] if any,
+then their checksums (int64 [blocks], kvtransfer.integrity, computed from the gathered blocks on
+the sender's device: no host sync on the way out) unless the sender runs --kv-checksum off. A
+channel's messages go out from one thread, in order; messages of several requests interleave
+whole. The receiver holds every message to the request's reservation (kvtransfer.integrity.Intake)
+before writing and checks the checksums on its pool at the completion (two-sided: a late message
+of an aborted request is dropped). A sender that closes says goodbye (a header of -1), which ends
+the receiving thread.
+
+Who may open a channel: the TCPStore has no authentication, so the announcement carries
+ClusterAuth.sign of (channel number, channel id) and the receiver builds no group for one
+without the deployment's signature. Anyone who reaches the store's port can still read and write
+its keys (and disturb rendezvous), and gloo/NCCL connections are not authenticated: keep the
+workers on a private network.
 
 Devices (`MessageTensors`): every tensor of a message lives on the pool's device (NCCL moves
 only device memory; gloo pools are on the CPU), receive buffers too; header and meta are read
@@ -45,14 +54,16 @@ from engine.config import DTYPES
 from engine.engine import KVLayout
 from engine.request import TokenLogprob
 from kvtransfer.base import (KVReceiver, KVSender, KVSendStream, KVSink, KVTransferError,
-                             TransferTarget, check_layout, poll_until)
+                             TransferTarget, block_bytes, check_layout, poll_until)
+from kvtransfer.integrity import Intake, Refused, checksums
 from kvtransfer.staging import host_to_device
 from kvtransfer.wire import completion_chunk, first_logprob_of, layout_from_pb, layout_to_pb
+from pdserve import cluster_auth
 from proto import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-HEADER = 2          # int64s: meta length, number of blocks
+HEADER = 3          # int64s: meta length, number of blocks, 1 when checksums follow
 MAX_META = 1 << 20  # bytes of one message's meta a receiver accepts
 
 
@@ -67,6 +78,11 @@ def _use_device(device: torch.device) -> None:
     """On a channel's thread: NCCL creates its communicator on the thread's current device."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
+
+
+def _announcement(n: int, channel: str) -> dict[str, str]:
+    """The fields of a channel announcement that the deployment token signs."""
+    return {"purpose": "torch-kv-channel", "n": str(n), "channel": channel}
 
 
 def _group(store, channel: str, rank: int, device: torch.device, timeout_s: float):
@@ -85,19 +101,24 @@ class MessageTensors:
         self.layout = layout
         self.device = torch.device(device)
 
-    def outgoing(self, meta: bytes, kv: torch.Tensor, src_blocks: list[int]) -> list[torch.Tensor]:
+    def outgoing(self, meta: bytes, kv: torch.Tensor, src_blocks: list[int],
+                 checksum: bool = True) -> list[torch.Tensor]:
         """[header, meta bytes] and, with src_blocks, kv[:, :, src_blocks] gathered on the device
-        (kv: the pool, on `device`)."""
+        (kv: the pool, on `device`) and (checksum) their checksums, computed there."""
         n = len(src_blocks)
-        out = [host_to_device(torch.tensor([len(meta), n], dtype=torch.int64), self.device),
+        summed = int(checksum and n > 0)
+        out = [host_to_device(torch.tensor([len(meta), n, summed], dtype=torch.int64),
+                              self.device),
                host_to_device(torch.frombuffer(bytearray(meta), dtype=torch.uint8), self.device)]
         if n:
             index = host_to_device(torch.tensor(src_blocks, dtype=torch.long), kv.device)
             out.append(kv.index_select(2, index))  # [layers, 2, n, block_size, heads, head_dim]
+        if summed:
+            out.append(checksums(out[-1]))         # int64 [n]
         return out
 
     def goodbye(self) -> torch.Tensor:
-        return host_to_device(torch.tensor([-1, 0], dtype=torch.int64), self.device)
+        return host_to_device(torch.tensor([-1, 0, 0], dtype=torch.int64), self.device)
 
     def header(self) -> torch.Tensor:
         return torch.empty(HEADER, dtype=torch.int64, device=self.device)
@@ -105,16 +126,20 @@ class MessageTensors:
     def meta(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
+    def sums(self, num_blocks: int) -> torch.Tensor:
+        return torch.empty(num_blocks, dtype=torch.int64, device=self.device)
+
     def data(self, num_blocks: int) -> torch.Tensor:
         lay = self.layout
         return torch.empty((lay.num_layers, 2, num_blocks, lay.block_size, lay.num_kv_heads,
                             lay.head_dim), dtype=DTYPES[lay.dtype], device=self.device)
 
     @staticmethod
-    def read_header(header: torch.Tensor) -> tuple[int, int]:
-        """(meta bytes, blocks), on the host once the header's receive has completed."""
-        meta_len, n = header.tolist()
-        return meta_len, n
+    def read_header(header: torch.Tensor) -> tuple[int, int, bool]:
+        """(meta bytes, blocks, checksums follow), on the host once the header's receive has
+        completed."""
+        meta_len, n, summed = header.tolist()
+        return meta_len, n, summed == 1
 
     @staticmethod
     def read_meta(meta: torch.Tensor) -> bytes:
@@ -125,10 +150,12 @@ class _Channel:
     """Prefill side of one pair group: a single thread sends, so messages stay whole."""
 
     def __init__(self, address: str, sender_id: str, layout: KVLayout, device: torch.device,
-                 timeout_s: float):
+                 timeout_s: float, checksum: bool, auth: cluster_auth.ClusterAuth):
         self.address = address
         self.sender_id = sender_id
         self.device = device
+        self.checksum = checksum
+        self.auth = auth
         self.tensors = MessageTensors(layout, device)
         self.timeout_s = timeout_s
         self.group = None
@@ -141,7 +168,8 @@ class _Channel:
         self.store = _client(self.address, self.timeout_s)
         n = self.store.add("channels", 1) - 1
         channel = f"{self.sender_id}-{n}"
-        self.store.set(f"channel/{n}", channel)
+        signature = self.auth.sign(_announcement(n, channel))
+        self.store.set(f"channel/{n}", f"{channel} {signature}")
         self.group = _group(self.store, channel, 0, self.device, self.timeout_s)
 
     def _settle(self, work) -> None:
@@ -174,7 +202,7 @@ class _Channel:
         """One message, on the channel's thread; -> the work of its last send."""
         if self.group is None:
             self._connect()
-        for tensor in self.tensors.outgoing(meta, kv, src_blocks):
+        for tensor in self.tensors.outgoing(meta, kv, src_blocks, self.checksum):
             work = self.group.send([tensor], 1, 0)
             self._settle(work)
         return work
@@ -241,10 +269,14 @@ class _TorchSendStream(KVSendStream):
 class TorchKVSender(KVSender):
     name = "torch"
 
-    def __init__(self, layout: KVLayout, kv: torch.Tensor, timeout_s: float = 30.0) -> None:
+    def __init__(self, layout: KVLayout, kv: torch.Tensor, timeout_s: float = 30.0,
+                 checksum: bool = True) -> None:
+        """checksum: send the blocks' checksums (--kv-checksum)."""
         self.layout = layout
         self.device = kv.device
         self.timeout_s = timeout_s
+        self.checksum = checksum
+        self.auth = cluster_auth.current()
         self.id = f"{socket.gethostname()}-{os.getpid()}-{id(self):x}"
         self._channels: dict[str, _Channel] = {}
 
@@ -260,7 +292,8 @@ class TorchKVSender(KVSender):
                                   f"on {kv.device}")
         ch = self._channels.get(target.address)
         if ch is None:
-            ch = _Channel(target.address, self.id, self.layout, self.device, self.timeout_s)
+            ch = _Channel(target.address, self.id, self.layout, self.device, self.timeout_s,
+                          self.checksum, self.auth)
             self._channels[target.address] = ch
         return _TorchSendStream(self, ch, request_id, kv, target)
 
@@ -271,13 +304,18 @@ class TorchKVSender(KVSender):
 
 
 class TorchKVReceiver(KVReceiver):
-    """Owns the TCPStore senders meet at; one receive thread per channel."""
+    """Owns the TCPStore senders meet at; one receive thread per channel. checksum: require
+    the senders' checksums and verify them (--kv-checksum)."""
 
     name = "torch"
 
-    def __init__(self, sink: KVSink, address: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, sink: KVSink, address: str, timeout_s: float = 30.0,
+                 checksum: bool = True) -> None:
         self.sink = sink
         self.timeout_s = timeout_s
+        self.intake = Intake(sink, checksum, timeout_s)
+        self.block_bytes = block_bytes(sink.layout)
+        self.auth = cluster_auth.current()
         self.loop = asyncio.get_running_loop()
         host = address.rsplit(":", 1)[0]
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
@@ -298,14 +336,19 @@ class TorchKVReceiver(KVReceiver):
         store = _client(self._address, self.timeout_s)
         for n in itertools.count():
             self._next = n
-            channel = None
-            while channel is None and not self._closed.is_set():
+            announced = None
+            while announced is None and not self._closed.is_set():
                 try:
-                    channel = store.get(f"channel/{n}").decode()
+                    announced = store.get(f"channel/{n}").decode()
                 except Exception:          # the store's wait timed out: keep listening
                     continue
             if self._closed.is_set():
                 return
+            channel, _, signature = announced.partition(" ")
+            if not self.auth.verify(_announcement(n, channel), signature):
+                log.warning("torch.distributed channel %d: announcement without the "
+                            "deployment's signature refused", n)
+                continue
             thread = threading.Thread(target=self._receive, args=(channel,),
                                       name=f"kv-recv-{n}", daemon=True)
             self._threads.append(thread)
@@ -331,7 +374,11 @@ class TorchKVReceiver(KVReceiver):
                 return
             if message is None:                       # the sender closed the channel
                 return
-            asyncio.run_coroutine_threadsafe(self._land(*message), self.loop).result()
+            try:
+                asyncio.run_coroutine_threadsafe(self._land(*message), self.loop).result()
+            except Exception:   # one request's failure must not end the channel's thread
+                log.exception("torch.distributed channel %s: a message could not be landed",
+                              channel)
 
     def _next_message(self, group):
         """-> (meta chunk, data on the pool's device or None), or None at the sender's goodbye.
@@ -339,32 +386,47 @@ class TorchKVReceiver(KVReceiver):
         tensors = self.tensors
         header = tensors.header()
         group.recv([header], 0, 0).wait()
-        meta_len, n = tensors.read_header(header)
+        meta_len, n, summed = tensors.read_header(header)
         if meta_len < 0:
             return None
         if not 0 < meta_len <= MAX_META or not 0 <= n <= self.sink.pool.shape[2]:
             raise KVTransferError(f"bad message header: {meta_len} meta bytes, {n} blocks")
         meta = tensors.meta(meta_len)
         group.recv([meta], 0, 0).wait()
-        data = None
+        data = sums = None
         if n:
             data = tensors.data(n)
             group.recv([data], 0, 0).wait()
-        # reading meta back syncs the current stream, which waits for the data's receive too
-        return pb.KVChunk.FromString(tensors.read_meta(meta)), data
+        if n and summed:
+            sums = tensors.sums(n)
+            group.recv([sums], 0, 0).wait()
+        # reading meta back syncs the current stream, which waits for the other receives too
+        chunk = pb.KVChunk.FromString(tensors.read_meta(meta))
+        return chunk, data, sums.tolist() if sums is not None else []
 
-    async def _land(self, chunk: pb.KVChunk, data: torch.Tensor | None) -> None:
+    async def _land(self, chunk: pb.KVChunk, data: torch.Tensor | None,
+                    claimed: list[int]) -> None:
+        """A message is checked before its blocks are written; a request whose transfer breaks
+        a rule is rejected (the sink fails it or computes it); one without a reservation (aborted
+        meanwhile, or not ours) is dropped."""
         try:
             check_layout(self.layout, layout_from_pb(chunk.layout))
         except KVTransferError as exc:
             log.warning("request %s: %s", chunk.request_id, exc)
             return
-        reserved = self.sink.reserved_blocks(chunk.request_id)
-        ids = list(chunk.block_ids)
-        if reserved is None or not set(ids) <= set(reserved):
-            return                                # aborted meanwhile, or not ours: drop it
-        if data is not None:
-            await asyncio.to_thread(self.sink.write_blocks, ids, data)
+        n = 0 if data is None else data.shape[2]
+        try:
+            ids = self.intake.admit(chunk.request_id, chunk.block_ids, n * self.block_bytes,
+                                    claimed)
+            if ids:
+                await self.sink.write(ids, data)
+            if chunk.last:
+                await self.intake.finish(chunk.request_id, chunk.first_token_id)
+        except Refused as exc:
+            if exc.kind != "unknown":
+                log.warning("%s", exc)
+            await self.intake.reject(exc)
+            return
         if chunk.last:
             await self.sink.complete(chunk.request_id, chunk.first_token_id,
                                      first_logprob_of(chunk))

@@ -55,10 +55,13 @@ def tensor_from_bytes(data: bytes, layout: KVLayout, num_blocks: int) -> torch.T
 
 
 def completion_chunk(request_id: str, layout: KVLayout, first_token: int,
-                     first_logprob: TokenLogprob | None, block_ids=()) -> pb.KVChunk:
-    """The last message of a transfer (last=True): the first token, and blocks if any."""
+                     first_logprob: TokenLogprob | None, block_ids=(),
+                     checksums=()) -> pb.KVChunk:
+    """The last message of a transfer (last=True): the first token, and blocks (with their
+    checksums) if any."""
     msg = pb.KVChunk(request_id=request_id, layout=layout_to_pb(layout), last=True,
-                     first_token_id=first_token, block_ids=list(block_ids))
+                     first_token_id=first_token, block_ids=list(block_ids),
+                     checksums=list(checksums))
     if first_logprob is not None:
         msg.first_logprob.CopyFrom(logprob_to_pb(first_logprob))
     return msg
@@ -68,11 +71,15 @@ def first_logprob_of(chunk: pb.KVChunk) -> TokenLogprob | None:
     return logprob_from_pb(chunk.first_logprob) if chunk.HasField("first_logprob") else None
 
 
-def completion_to_bytes(request_id: str, layout: KVLayout, first_token: int,
-                        first_logprob: TokenLogprob | None) -> bytes:
-    """completion_chunk as bytes, for transports whose control messages are opaque bytes (NIXL
-    notifications)."""
-    return completion_chunk(request_id, layout, first_token, first_logprob).SerializeToString()
+def notice_fields(chunk: pb.KVChunk) -> dict[str, str]:
+    """What ClusterAuth signs of a control message sent as opaque bytes (NIXL notifications):
+    everything a receiver acts on."""
+    first = chunk.first_logprob.SerializeToString() if chunk.HasField("first_logprob") else b""
+    return {"purpose": "kv-notice", "request": chunk.request_id, "last": str(int(chunk.last)),
+            "layout": chunk.layout.SerializeToString().hex(),
+            "blocks": ",".join(map(str, chunk.block_ids)),
+            "checksums": ",".join(map(str, chunk.checksums)),
+            "first_token": str(chunk.first_token_id), "first_logprob": first.hex()}
 
 
 def chunk_from_bytes(data: bytes) -> pb.KVChunk:

@@ -50,6 +50,20 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                    help="name clients use in the 'model' field (default: the folder name)")
 
 
+def _add_deployment_security(p: argparse.ArgumentParser) -> None:
+    """Flags every process of a deployment has: its token and how to reach a protected Redis."""
+    g = p.add_argument_group("deployment credentials")
+    g.add_argument("--cluster-token-file", default=None, metavar="FILE",
+                   help="the deployment's shared token (also $PDSERVE_CLUSTER_TOKEN): worker "
+                        "RPCs and KV pushes need it, registrations are signed with it; every "
+                        "process of a deployment must have the same (pdserve up makes one). "
+                        "None: the workers are open to anyone who reaches them")
+    g.add_argument("--redis-password-file", default=None, metavar="FILE",
+                   help="Redis password (also $PDSERVE_REDIS_PASSWORD, or in --redis-url)")
+    g.add_argument("--redis-ca-cert", default=None, metavar="PEM",
+                   help="CA of a TLS Redis (rediss:// URLs); default: the system's CAs")
+
+
 def _add_worker(p: argparse.ArgumentParser, role: str, port: int) -> None:
     _add_model(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind the gRPC server to")
@@ -101,6 +115,11 @@ def _add_worker(p: argparse.ArgumentParser, role: str, port: int) -> None:
     p.add_argument("--kv-transfer-timeout", type=float, default=30.0 if role == "prefill" else
                    300.0, help="prefill: seconds a transfer may take before it fails and the "
                                 "blocks are freed; decode: seconds a reservation waits for its KV")
+    p.add_argument("--kv-checksum", default="on", choices=["on", "off"],
+                   help="prefill: send a checksum of every KV block, computed where the KV "
+                        "lives; decode: require and verify them (a mismatch counts as a failed "
+                        "KV load, see --kv-load-failure). Every worker of a deployment uses "
+                        "the same")
     if role == "decode":
         spec = p.add_argument_group("speculative decoding")
         spec.add_argument("--speculative", default="off", metavar="off|ngram|draft:PATH",
@@ -120,9 +139,16 @@ def _add_worker(p: argparse.ArgumentParser, role: str, port: int) -> None:
         p.add_argument("--kv-load-failure", default="fail", choices=["fail", "recompute"],
                        help="when the KV does not arrive in time: fail the request, or compute "
                             "the prompt on this decode worker")
+    p.add_argument("--max-waiting-requests", type=_non_negative_int, default=256, metavar="N",
+                   help="requests that may wait for a place in the batch; one more is refused "
+                        "at once with RESOURCE_EXHAUSTED (429 at the gateway; 0: no bound)")
+    p.add_argument("--max-request-kv-share", type=float, default=0.5, metavar="SHARE",
+                   help="most of the KV pool one request (all its choices at max_tokens) may "
+                        "need; larger ones are refused (default: 0.5)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="HTTP port of GET /metrics (Prometheus); default: gRPC port + 100; "
                         "0 turns it off")
+    _add_deployment_security(p)
     p.add_argument("--log-level", default="INFO")
 
 
@@ -130,6 +156,13 @@ def _non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
     return value
 
 
@@ -152,6 +185,15 @@ def _add_gateway(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-prefill-queue", type=int, default=4,
                    help="'busy': this gateway has at least this many prompts outstanding on the "
                         "chosen prefill worker")
+    p.add_argument("--max-migrations", type=_non_negative_int, default=2, metavar="N",
+                   help="a stream whose decode worker fails mid-stream goes on on another decode "
+                        "worker, at most N times per request (0: the failure ends the stream; "
+                        "default: 2)")
+    p.add_argument("--stream-stall-timeout", type=_non_negative_float, default=120.0,
+                   metavar="SECONDS",
+                   help="a decode stream that sends nothing for this long counts as failed: it "
+                        "moves to another decode worker or ends with an error (0: off; "
+                        "default: 120)")
     p.add_argument("--max-tokens-default", type=_non_negative_int, default=1024, metavar="N",
                    help="output tokens of a chat request that gives no max_tokens/"
                         "max_completion_tokens, capped by the context left; completions keep "
@@ -162,6 +204,9 @@ def _add_gateway(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-bytes", type=_non_negative_int, default=8 << 20,
                    metavar="N", help="a REST request body larger than this gets 413 before it "
                                      "is read or parsed (0: no bound; default: 8 MiB)")
+    p.add_argument("--max-in-flight", type=_non_negative_int, default=1024, metavar="N",
+                   help="requests served at once (each prompt of a batch counts); one more gets "
+                        "429 with Retry-After at once (0: no bound; default: 1024)")
     auth = p.add_argument_group("authentication and TLS")
     auth.add_argument("--api-key", action="append", default=None, metavar="KEY",
                       help="a key clients must send (REST: Authorization: Bearer KEY; gRPC: "
@@ -177,6 +222,7 @@ def _add_gateway(p: argparse.ArgumentParser) -> None:
     auth.add_argument("--ssl-keyfile", default=None, metavar="PEM", help="its private key")
     auth.add_argument("--ssl-ca-certs", default=None, metavar="PEM",
                       help="require client certificates signed by this CA (mutual TLS)")
+    _add_deployment_security(p)
     p.add_argument("--log-level", default="INFO")
 
 
@@ -554,6 +600,51 @@ def _add_grammarbench(sub) -> None:
     p.set_defaults(target="pdserve.bench.grammarbench:main")
 
 
+def _add_secrets(sub) -> None:
+    p = sub.add_parser(
+        "secrets", help="make a deployment's token and Redis password (kept if present)",
+        formatter_class=_DefaultsFormatter,
+        description="Create DIR/cluster-token, DIR/redis-password and DIR/redis.conf (0600) "
+                    "unless they exist: what every process of a deployment reads with "
+                    "--cluster-token-file and --redis-password-file, and redis-server's config.")
+    p.add_argument("--dir", required=True, help="folder for the secrets")
+    p.add_argument("--redis-uid", type=int, default=None,
+                   help="give the Redis files to this user id (the Redis image's is 999)")
+    p.set_defaults(target="pdserve.deploy_secrets:main")
+
+
+def _add_chaos(sub) -> None:
+    p = sub.add_parser(
+        "chaos", help="a bounded soak of the whole stack while its workers and Redis are killed",
+        formatter_class=_DefaultsFormatter,
+        description="Start Redis, 2 prefill and 2 decode workers and the gateway; run a steady "
+                    "streaming load of greedy and seeded completions with known answers while "
+                    "workers are killed (-9) and restarted and Redis is stopped and restarted; "
+                    "then report requests completed token-exact, failed (per reason), hung, "
+                    "migrated, and KV blocks leaked on every worker. Exit 1 if any answer "
+                    "differs, any request hung or any block leaked.")
+    p.add_argument("--model", default=None,
+                   help=f"model folder (default: {default_model_dir()})")
+    p.add_argument("--duration", type=float, default=180.0, help="seconds of load and faults")
+    p.add_argument("--max-requests", type=int, default=0, help="stop after this many (0: none)")
+    p.add_argument("--concurrency", type=int, default=3, help="clients streaming at once")
+    p.add_argument("--max-tokens", type=int, default=24, help="tokens per answer")
+    p.add_argument("--kill-interval", type=float, default=20.0,
+                   help="mean seconds between faults (each one jittered 0.5x-1.5x)")
+    p.add_argument("--restart-delay", type=float, default=3.0,
+                   help="seconds a killed process stays down")
+    p.add_argument("--no-redis-chaos", dest="redis_chaos", action="store_false",
+                   help="never stop Redis")
+    p.add_argument("--hang-timeout", type=float, default=90.0,
+                   help="a request with no progress for this long counts as hung")
+    p.add_argument("--kv-cache-gib", type=float, default=0.1, help="each worker's KV pool")
+    p.add_argument("--seed", type=int, default=0, help="seed of the load and the faults")
+    p.add_argument("--workdir", default=None, help="folder for the processes' logs "
+                                                   "(default: a fresh temporary one)")
+    p.add_argument("--out", default=None, help="JSON file for the report")
+    p.set_defaults(target="pdserve.chaos:main")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
@@ -590,6 +681,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_stepbench(sub)
     _add_grammarbench(sub)
     _add_choicebench(sub)
+    _add_chaos(sub)
+    _add_secrets(sub)
     _add_baseline(sub)
     return parser
 

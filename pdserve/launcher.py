@@ -8,12 +8,18 @@ given that the role has, then that role's --<role>-args) and waited on until it 
 stops them all, newest first (SIGTERM, then SIGKILL after a grace period), and exits 0; a child
 that dies on its own stops the rest and exits 1. On Linux the kernel sends children SIGTERM if
 this process dies without cleaning up.
+
+Secrets: unless a deployment token is given (--cluster-token-file or $PDSERVE_CLUSTER_TOKEN),
+`up` makes a fresh one and hands it to its children in their environment; the Redis it starts
+has a fresh password (in a 0600 config file, never on a command line), handed over the same way.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -39,6 +45,23 @@ class _Stop(Exception):
     """Raised by the SIGINT/SIGTERM handler to unwind into the shutdown path."""
 
 
+def _loggable(cmd: list[str]) -> list[str]:
+    """A command line as the log shows it: Redis URLs without their password, no key values."""
+    from pdserve.registry import redacted
+
+    out = []
+    for arg in cmd:
+        if arg.startswith("--api-key="):
+            arg = "--api-key=***"
+        elif out and out[-1] == "--api-key":
+            arg = "***"
+        elif "://" in arg:
+            flag, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+            arg = flag + eq + redacted(value)
+        out.append(arg)
+    return out
+
+
 def _die_with_parent() -> None:
     """Runs in the child before exec: ask the kernel to SIGTERM it when the launcher dies."""
     if sys.platform.startswith("linux"):
@@ -61,7 +84,7 @@ class Stack:
     tmpdir: Path | None = None
 
     def spawn(self, name: str, cmd: list[str], healthy: Callable[[], bool], **popen) -> Child:
-        log.info("starting %s: %s", name, " ".join(cmd))
+        log.info("starting %s: %s", name, " ".join(_loggable(cmd)))
         # Own session: a terminal's Ctrl-C reaches only the launcher, which stops children in order.
         proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent, **popen)
         child = Child(name, proc, healthy)
@@ -118,22 +141,31 @@ def _start_redis(stack: Stack, port: int) -> str:
                          "(or pass --redis-url to use a running Redis)")
     import redis
 
+    from pdserve.registry import PASSWORD_ENV
+
     url = f"redis://127.0.0.1:{port}/0"
     stack.tmpdir = Path(tempfile.mkdtemp(prefix="pdserve-redis-"))
     logfile = stack.tmpdir / "redis.log"
+    password = os.environ.get(PASSWORD_ENV) or secrets.token_urlsafe(24)
+    os.environ[PASSWORD_ENV] = password              # the children's Redis password
+    config = stack.tmpdir / "redis.conf"
+    config.touch(mode=0o600)
+    config.write_text(f"requirepass {password}\n", encoding="utf-8")
 
-    def ping() -> bool:
+    def ping(password: str | None = password) -> bool:
         try:
-            with redis.Redis.from_url(url, socket_timeout=1) as client:
+            with redis.Redis.from_url(url, password=password, socket_timeout=1) as client:
                 return bool(client.ping())
+        except redis.AuthenticationError:
+            return True                               # someone else's Redis answers
         except redis.RedisError:
             return False
 
-    if ping():
+    if ping(None):
         raise SystemExit(f"something already answers on port {port}: stop it, pick another "
                          "--redis-port, or pass --redis-url to use it")
-    cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-           "--dir", str(stack.tmpdir), "--logfile", str(logfile)]
+    cmd = [exe, str(config), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+           "--appendonly", "no", "--dir", str(stack.tmpdir), "--logfile", str(logfile)]
     child = stack.spawn("redis", cmd, ping, stdin=subprocess.DEVNULL)
     try:
         stack.wait_healthy(child, timeout_s=20.0)
@@ -201,8 +233,17 @@ def child_commands(args, model: Path, redis_url: str,
     return commands
 
 
+def _deployment_token(args) -> None:
+    """Make the stack's token unless one is given (children inherit the environment)."""
+    from pdserve.cluster_auth import ENV_VAR
+
+    if not getattr(args, "cluster_token_file", None) and not os.environ.get(ENV_VAR):
+        os.environ[ENV_VAR] = secrets.token_urlsafe(32)
+
+
 def _start_all(args, stack: Stack) -> tuple[Path, str]:
     model = _ensure_model(args.model)
+    _deployment_token(args)
     redis_url = args.redis_url or _start_redis(stack, args.redis_port)
     commands = child_commands(args, model, redis_url)
     workers = []
@@ -232,6 +273,8 @@ def _gateway_sees_workers(url: str, headers: dict | None = None) -> bool:
 
 
 def _banner(args, model: Path, redis_url: str) -> str:
+    from pdserve.registry import redacted
+
     name = args.served_model_name or model.name
     tls = bool(getattr(args, "ssl_certfile", None))
     base = f"{'https' if tls else 'http'}://127.0.0.1:{args.http_port}"
@@ -243,7 +286,7 @@ pdserve is up: {name}{' (API keys required)' if keyed else ''}{' over TLS' if tl
   REST (OpenAI-compatible)  {base}/v1
   gRPC (pdserve.v1.Generation)  127.0.0.1:{args.grpc_port}
   workers  prefill 127.0.0.1:{args.prefill_port}, decode 127.0.0.1:{args.decode_port}
-  redis    {redis_url}
+  redis    {redacted(redis_url)}
 
 Try it:
   curl -N {base}/v1/chat/completions{extra} -H 'Content-Type: application/json' \\

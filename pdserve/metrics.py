@@ -166,6 +166,10 @@ class TransferMetrics:
         self._failures = Counter("pdserve_kv_transfer_failures",
                                  "KV transfers that failed, by kind", [*names, "kind"],
                                  registry=registry)
+        self.checksum_failures = Counter(
+            "pdserve_kv_checksum_failures",
+            "Requests whose received KV did not match the sender's checksums", names,
+            registry=registry).labels(**values)
         self._values = values
 
     def done(self, blocks: int, block_bytes: int, seconds: float) -> None:
@@ -214,6 +218,15 @@ class GatewayMetrics:
         self.retries = Counter("pdserve_request_retries",
                                "Requests run again after a worker went away before their first "
                                "token", registry=r)
+        self.migrations = Counter("pdserve_stream_migrations",
+                                  "Streams moved to another decode worker after theirs failed "
+                                  "mid-stream (each move counts)", registry=r)
+        self.stalls = Counter("pdserve_stream_stalls",
+                              "Decode streams that produced nothing for --stream-stall-timeout",
+                              registry=r)
+        self.overloaded = Counter("pdserve_requests_overloaded",
+                                  "Requests answered 429 at once: --max-in-flight reached",
+                                  registry=r)
         self.directory_blocks = Gauge("pdserve_prefix_directory_blocks",
                                       "Block hashes listed in the Redis prefix directory",
                                       ["worker"], registry=r)

@@ -4,12 +4,19 @@ Layout in Redis::
 
     pdserve:worker:<worker_id>   hash   id, role, address, model, block_size, hash_seed,
                                         dtype, num_layers, num_kv_heads, head_dim, total_blocks,
-                                        running, waiting, free_blocks, started_at
+                                        running, waiting, free_blocks, started_at,
+                                        expires_at, sig (HMAC of the other fields and the
+                                        key with the deployment token: pdserve.cluster_auth)
                                  TTL    ttl_s, refreshed by every heartbeat
 
 A worker whose process dies stops refreshing, and its key disappears after ttl_s seconds. The
 gateway lists live workers with SCAN; it never needs a worker to say goodbye (it still does, on a
-clean shutdown). Torch-free: the gateway imports this.
+clean shutdown). With a deployment token, entries whose signature does not verify are ignored:
+a process that can write to Redis but does not hold the token cannot register a worker.
+
+Redis itself can take a password (the URL's, --redis-password-file or $PDSERVE_REDIS_PASSWORD)
+and TLS (`rediss://` URLs, --redis-ca-cert for a private CA): `connect()` applies them to every
+client; `redacted()` is the URL as logs show it. Torch-free: the gateway imports this.
 """
 
 from __future__ import annotations
@@ -17,14 +24,72 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import time
 from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
+
+from pdserve.cluster_auth import ClusterAuth
+from pdserve.cluster_auth import current as cluster_auth
 
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "pdserve:worker:"
 ROLES = ("prefill", "decode")
+SIGNATURE_FIELD = "sig"
+EXPIRES_FIELD = "expires_at"      # signed with the entry: after it, a copy of it is refused
+CLOCK_SKEW_S = 30.0               # how far the gateway's clock may be behind a worker's
+PASSWORD_ENV = "PDSERVE_REDIS_PASSWORD"
+CA_CERT_ENV = "PDSERVE_REDIS_CA_CERT"
+_settings: dict = {}
+
+
+def configure_redis(password_file: str | None = None, ca_cert: str | None = None) -> None:
+    """The process's Redis credentials (call once at startup): a password from a file (else
+    $PDSERVE_REDIS_PASSWORD, else the URL's) and the CA that signs a `rediss://` server's
+    certificate (else $PDSERVE_REDIS_CA_CERT, else the system's)."""
+    _settings.clear()
+    password = os.environ.get(PASSWORD_ENV) or None
+    if password_file:
+        path = Path(password_file)
+        if not path.is_file():
+            raise SystemExit(f"--redis-password-file {password_file}: no such file")
+        password = path.read_text(encoding="utf-8").strip() or None
+    if password:
+        _settings["password"] = password
+    ca_cert = ca_cert or os.environ.get(CA_CERT_ENV)
+    if ca_cert:
+        if not Path(ca_cert).is_file():
+            raise SystemExit(f"--redis-ca-cert {ca_cert}: no such file")
+        _settings["ssl_ca_certs"] = ca_cert
+    _settings["configured"] = True
+
+
+def connect(url: str, **kw) -> aioredis.Redis:
+    """An asyncio Redis client for `url` with the process's password and CA (configure_redis)."""
+    if not _settings:
+        configure_redis()
+    extra = {}
+    if "password" in _settings and not urlsplit(url).password:
+        extra["password"] = _settings["password"]
+    if url.startswith("rediss://"):
+        extra["ssl_check_hostname"] = True       # redis-py 5 does not check it by default
+        if "ssl_ca_certs" in _settings:
+            extra["ssl_ca_certs"] = _settings["ssl_ca_certs"]
+    return aioredis.from_url(url, **extra, **kw)
+
+
+def redacted(url: str) -> str:
+    """The URL without its password (what logs and error messages show)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
 
 
 async def cancel_task(task: asyncio.Task | None) -> None:
@@ -94,7 +159,7 @@ class RedisPeriodic:
         self.redis_url = redis_url
         self.interval_s = interval_s
         self._task: asyncio.Task | None = None
-        self._client = aioredis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._client = connect(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
 
     async def tick(self) -> None:
         raise NotImplementedError
@@ -108,12 +173,13 @@ class RedisPeriodic:
             try:
                 await self.tick()
                 if down:
-                    log.info("%s: redis at %s reachable again", self.what, self.redis_url)
+                    log.info("%s: redis at %s reachable again", self.what,
+                             redacted(self.redis_url))
                 down = False
             except Exception as exc:  # redis down: keep serving, keep trying
                 if not down:
                     log.warning("%s: cannot reach redis at %s (%s); retrying", self.what,
-                                self.redis_url, exc)
+                                redacted(self.redis_url), exc)
                 down = True
             await asyncio.sleep(self.interval_s)
 
@@ -134,16 +200,17 @@ class WorkerRegistration(RedisPeriodic):
     """Keeps one worker's registration alive: call start(), then stop() on shutdown.
 
     `load` is a zero-argument callable returning (running, waiting, free_blocks); it is read at
-    every heartbeat.
+    every heartbeat. Each beat writes the entry signed with the deployment token (`auth`).
     """
 
     what = "worker registration"
 
     def __init__(self, redis_url: str, info: WorkerInfo, load=None, ttl_s: float = 10.0,
-                 interval_s: float = 2.0) -> None:
+                 interval_s: float = 2.0, auth: ClusterAuth | None = None) -> None:
         if interval_s >= ttl_s:
             raise ValueError("heartbeat interval must be shorter than the TTL")
         super().__init__(redis_url, interval_s)
+        self.auth = auth or cluster_auth()
         self.info = info
         self.load = load
         self.ttl_s = ttl_s
@@ -160,16 +227,56 @@ class WorkerRegistration(RedisPeriodic):
         if self.load is not None:
             running, waiting, free = self.load()
             info = dataclasses.replace(info, running=running, waiting=waiting, free_blocks=free)
+        fields = info.to_redis()
+        # the signature binds the entry to its key and to a time: a copy under another key, or
+        # an old entry written back (a dead worker's, a quieter load's), does not verify
+        fields[EXPIRES_FIELD] = f"{time.time() + self.ttl_s:.3f}"
+        fields[SIGNATURE_FIELD] = self.auth.sign(dict(fields, key=self.key))
         async with self._client.pipeline(transaction=True) as pipe:
-            pipe.hset(self.key, mapping=info.to_redis())
+            pipe.delete(self.key)            # no field of an earlier entry outlives this one
+            pipe.hset(self.key, mapping=fields)
             pipe.pexpire(self.key, int(self.ttl_s * 1000))
             await pipe.execute()
 
     tick = beat
 
 
-async def list_workers(client: aioredis.Redis, role: str | None = None) -> list[WorkerInfo]:
-    """All live workers (optionally of one role), sorted by id."""
+_refused_unsigned: set[tuple[str, str]] = set()
+
+
+def _signed(key: str, raw: dict, auth: ClusterAuth) -> bool:
+    """The entry at `key` carries this deployment's signature of its fields, its key and an
+    expiry not past (beyond CLOCK_SKEW_S); always True without a token."""
+    if not auth.enabled:
+        return True
+    fields = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes)
+                                                            else v) for k, v in raw.items()}
+    signature = fields.pop(SIGNATURE_FIELD, None)
+    why = None
+    if not auth.verify(dict(fields, key=key), signature):
+        why = "it is not signed with this deployment's token"
+    else:
+        try:
+            expired = float(fields.get(EXPIRES_FIELD, "0")) < time.time() - CLOCK_SKEW_S
+        except ValueError:
+            expired = True
+        if expired:
+            why = "its signature has expired (an old entry written back?)"
+    if why is None:
+        return True
+    wid = fields.get("id", "?")
+    if (wid, why) not in _refused_unsigned:
+        _refused_unsigned.add((wid, why))
+        log.warning("ignoring the registration of %r (%r at %r): %s", wid, fields.get("role"),
+                    fields.get("address"), why)
+    return False
+
+
+async def list_workers(client: aioredis.Redis, role: str | None = None,
+                       auth: ClusterAuth | None = None) -> list[WorkerInfo]:
+    """All live workers (optionally of one role) whose entries carry a valid signature (`auth`:
+    the process's deployment token by default), sorted by id."""
+    auth = auth or cluster_auth()
     keys = [k async for k in client.scan_iter(match=KEY_PREFIX + "*", count=100)]
     if not keys:
         return []
@@ -178,8 +285,9 @@ async def list_workers(client: aioredis.Redis, role: str | None = None) -> list[
             pipe.hgetall(k)
         raws = await pipe.execute()
     out = []
-    for raw in raws:
-        if not raw:
+    for key, raw in zip(keys, raws):
+        key = key.decode() if isinstance(key, bytes) else key
+        if not raw or not _signed(key, raw, auth):
             continue
         try:
             w = WorkerInfo.from_redis(raw)

@@ -16,16 +16,18 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from engine.async_engine import EngineDead, Overloaded
+from pdserve import cluster_auth
 from pdserve.paths import resolve_model
 from pdserve.prefix_directory import DirectoryPublisher
-from pdserve.registry import WorkerInfo, WorkerRegistration
+from pdserve.registry import WorkerInfo, WorkerRegistration, configure_redis
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE = 256 << 20
 SERVER_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE),
                   ("grpc.max_receive_message_length", MAX_MESSAGE),
-                  ("grpc.so_reuseport", 0)]
+                  ("grpc.so_reuseport", 0), *cluster_auth.SERVER_KEEPALIVE]
 
 
 def resolve_device_defaults(args) -> dict:
@@ -55,6 +57,7 @@ def build_engine(args, role: str):
                        attention_backend=args.attention_backend,
                        enforce_eager=args.enforce_eager,
                        gpu_memory_utilization=args.gpu_memory_utilization,
+                       max_request_kv_share=getattr(args, "max_request_kv_share", 1.0),
                        **resolve_device_defaults(args), **_spec_config(args))
     gib = args.kv_cache_gib or (0.0 if cfg.device.startswith("cuda") else 1.0)
     if cfg.num_blocks == 0 and gib > 0:
@@ -142,8 +145,9 @@ class Grammars:
             return self._compiler
 
     async def attach(self, req) -> None:
-        """Set req.structured_state when its params ask for a structure; ValueError (the
-        grammar engine's reason) when the spec cannot be compiled."""
+        """Set req.structured_state when its params ask for a structure, advanced through the
+        output tokens a resumed request starts with; ValueError (the grammar engine's reason)
+        when the spec cannot be compiled, or the grammar refuses those tokens."""
         spec = req.params.structured
         if spec is None:
             return
@@ -154,7 +158,33 @@ class Grammars:
         except asyncio.TimeoutError:
             raise ValueError(f"the {spec.kind} output constraint did not compile within "
                              f"{self.timeout_s:g} s; simplify it") from None
-        req.structured_state = grammar.matcher()
+        matcher = grammar.matcher()
+        for i, token in enumerate(req.output_token_ids):
+            if not matcher.accept(token) or matcher.terminated:
+                raise ValueError(f"resume token {i} ({token}) does not continue the output's "
+                                 f"{spec.kind} constraint")
+        req.structured_state = matcher
+
+
+# The exceptions a worker turns into a refusal of a request (see `refuse`).
+ADMISSION_ERRORS = (ValueError, Overloaded, EngineDead)
+
+
+async def refuse(context, exc: Exception) -> None:
+    """End an RPC for a request the engine refused: bad request INVALID_ARGUMENT, queue full
+    RESOURCE_EXHAUSTED (with a retry-after trailer), engine dead UNAVAILABLE."""
+    if isinstance(exc, Overloaded):
+        context.set_trailing_metadata((("retry-after", "1"),))
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+    if isinstance(exc, EngineDead):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+
+def output_error_code(aengine):
+    """The status of an RPC whose request ended with an error output: UNAVAILABLE when the
+    engine died (the request may run elsewhere), INTERNAL otherwise."""
+    return grpc.StatusCode.UNAVAILABLE if aengine.dead is not None else grpc.StatusCode.INTERNAL
 
 
 def worker_stats(aengine):
@@ -176,8 +206,11 @@ async def serve(args, role: str, add_services: Callable) -> None:
 
     from pdserve.metrics import WorkerMetrics
 
+    auth = cluster_auth.configure(getattr(args, "cluster_token_file", None))
+    configure_redis(getattr(args, "redis_password_file", None),
+                    getattr(args, "redis_ca_cert", None))
     engine, model_dir = build_engine(args, role)
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=auth.server_interceptors())
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     if port == 0:
         raise SystemExit(f"cannot bind {args.host}:{args.port}")
@@ -189,7 +222,23 @@ async def serve(args, role: str, add_services: Callable) -> None:
                        kvm.pool.evictions)) if kvm.hasher is not None else None
     metrics = WorkerMetrics(role, ident.id, engine.pool.num_blocks, lambda: aengine.load(), prefix,
                             spec=engine.proposer.name if engine.proposer is not None else None)
-    aengine = AsyncEngine(engine, on_step=metrics.on_step)
+    duties: list = []             # what keeps this worker in the registry, once started
+
+    def on_death(reason: str) -> None:
+        """The engine thread died: stop serving and leave the registry; requests get errors."""
+        log.critical("%s worker %s cannot serve any more (%s): reporting NOT_SERVING and "
+                     "leaving the registry", role, ident.id, reason)
+
+        async def leave():
+            await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+            for duty in duties:
+                await duty.stop()
+        loop.create_task(leave())
+
+    loop = asyncio.get_running_loop()
+    aengine = AsyncEngine(engine, on_step=metrics.on_step,
+                          max_waiting=getattr(args, "max_waiting_requests", 0),
+                          on_death=on_death)
     aengine.start()
     metrics_port = args.metrics_port if args.metrics_port is not None else port + 100
     if metrics_port > 0:
@@ -206,25 +255,26 @@ async def serve(args, role: str, add_services: Callable) -> None:
                       head_dim=lay.head_dim, total_blocks=engine.pool.num_blocks,
                       started_at=time.time())
     reg = WorkerRegistration(args.redis_url, info, load=aengine.load)
-    reg.start()
     publisher = None
     if kvm.hasher is not None:
         publisher = DirectoryPublisher(args.redis_url, ident.id, engine.pool.events, reg.ttl_s)
-        publisher.start()
-    await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
-    log.info("%s worker %s serving on %s, metrics on http://%s:%d/metrics", role, ident.id,
-             ident.address, args.host, metrics_port)
+    if aengine.dead is None:
+        duties += [d for d in (reg, publisher) if d is not None]
+        for duty in duties:
+            duty.start()
+        await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
+    log.info("%s worker %s serving on %s (%s), metrics on http://%s:%d/metrics", role, ident.id,
+             ident.address, "deployment token required" if auth.enabled else
+             "no deployment token: open to anyone who reaches it", args.host, metrics_port)
 
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("%s worker %s stopping", role, ident.id)
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
-    if publisher is not None:
-        await publisher.stop()
-    await reg.stop()
+    for duty in duties:
+        await duty.stop()
     await server.stop(grace=2.0)
     if closer is not None:
         await closer.close()

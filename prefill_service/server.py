@@ -23,7 +23,8 @@ from kvtransfer import (KVTransferError, LayoutMismatch, block_bytes, check_layo
                         create_sender)
 from kvtransfer.wire import target_from_pb
 from pdserve.metrics import WorkerMetrics
-from pdserve.worker import Grammars, WorkerIdentity, sampling_from_pb, serve, worker_stats
+from pdserve.worker import (ADMISSION_ERRORS, Grammars, WorkerIdentity, output_error_code, refuse,
+                            sampling_from_pb, serve, worker_stats)
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
@@ -32,15 +33,18 @@ log = logging.getLogger(__name__)
 
 class PrefillServicer(pb_grpc.PrefillWorkerServicer):
     def __init__(self, aengine: AsyncEngine, ident: WorkerIdentity, transport: str,
-                 metrics: WorkerMetrics, timeout_s: float = 30.0) -> None:
+                 metrics: WorkerMetrics, timeout_s: float = 30.0,
+                 checksum: bool = True) -> None:
+        """checksum: send the checksums of the blocks (--kv-checksum)."""
         self.aengine = aengine
         self.ident = ident
         self.layout = aengine.engine.layout
         self.block_bytes = block_bytes(self.layout)
         self.sender = create_sender(transport, self.layout, kv=aengine.engine.kv,
-                                    timeout_s=timeout_s)
+                                    timeout_s=timeout_s, checksum=checksum)
         self.transfers = metrics.transfers(transport)
         self.grammars = Grammars(aengine.engine)
+        self._cancelled: set[str] = set()      # ended by an Abort call: CANCELLED
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
@@ -55,13 +59,14 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         try:
             check_layout(self.layout, target.layout)
             req = Request(rid, list(request.prompt_token_ids), sampling_from_pb(request.params),
+                          output_token_ids=list(request.resume_token_ids),
                           cache_salt=request.cache_salt)
             await self.grammars.attach(req)        # the first token follows the grammar too
         except LayoutMismatch as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        num_blocks = -(-req.num_prompt_tokens // self.layout.block_size)
+        num_blocks = -(-req.num_tokens // self.layout.block_size)     # resumed: prompt + output
         if len(target.block_ids) != num_blocks:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"the prompt needs {num_blocks} KV blocks; the destination has "
@@ -73,15 +78,17 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         try:
             try:
                 queue = await self.aengine.add(req)
-            except ValueError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except ADMISSION_ERRORS as exc:
+                await refuse(context, exc)
             stream = self.sender.open(rid, self.aengine.engine.kv, target)
             sent = 0
             t_send = None
             while True:                # each chunk's blocks go while the next chunk computes
                 out = await queue.get()
                 if out.error:
-                    await context.abort(grpc.StatusCode.INTERNAL, out.error)
+                    code = (grpc.StatusCode.CANCELLED if rid in self._cancelled
+                            else output_error_code(self.aengine))
+                    await context.abort(code, out.error)
                 blocks = out.kv_blocks or []
                 pinned += blocks
                 skip = min(max(target.num_cached_blocks - sent, 0), len(blocks))
@@ -114,6 +121,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             if queue is not None:
                 self.aengine.drain(queue)
             self.aengine.abort_nowait(rid)          # frees the held blocks in every case
+            self._cancelled.discard(rid)
         return pb.PrefillReply(first_token_id=out.new_token_ids[0],
                                num_prompt_tokens=req.num_prompt_tokens,
                                compute_seconds=t1 - t0, transfer_seconds=t2 - t1,
@@ -121,7 +129,12 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                                num_blocks_sent=moved)
 
     async def Abort(self, request: pb.AbortRequest, context):
-        return pb.AbortReply(found=await self.aengine.abort(request.request_id))
+        rid = request.request_id
+        self._cancelled.add(rid)
+        found = await self.aengine.cancel(rid, "the request was aborted (an Abort call)")
+        if not found:
+            self._cancelled.discard(rid)
+        return pb.AbortReply(found=found)
 
     async def Stats(self, request, context):
         return worker_stats(self.aengine)
@@ -133,7 +146,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
 def main(args) -> int:
     def add(server, aengine, ident, metrics):
         servicer = PrefillServicer(aengine, ident, args.kv_transport, metrics,
-                                   args.kv_transfer_timeout)
+                                   args.kv_transfer_timeout, args.kv_checksum == "on")
         pb_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
         return servicer
 

@@ -62,12 +62,15 @@ class Stack:
     workdir: Path
     procs: list[Proc] = field(default_factory=list)
     redis_url: str = ""
+    env: dict = field(default_factory=dict)    # given to every process (e.g. the deployment token)
 
     def _spawn(self, name: str, args: list[str], address: str, **env_extra: str) -> Proc:
         log = self.workdir / f"{name}.log"
         path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path)
-        env.pop("PDSERVE_API_KEY", None)      # a key of the caller's must not close the stack
+        for secret in ("PDSERVE_API_KEY", "PDSERVE_CLUSTER_TOKEN", "PDSERVE_REDIS_PASSWORD"):
+            env.pop(secret, None)       # the caller's secrets must not close the stack
+        env.update(self.env)
         env.update(env_extra)
         popen = subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
                                  cwd=self.workdir)
@@ -75,14 +78,17 @@ class Stack:
         self.procs.append(p)
         return p
 
-    def start_redis(self) -> Proc:
+    def start_redis(self, *extra: str, url: str | None = None) -> Proc:
+        """`extra`: more redis-server flags; `url`: the URL clients use ({port} is filled in
+        both)."""
         port = free_port()
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
         p = self._spawn("redis", [exe, "--port", str(port), "--save", "", "--appendonly", "no",
-                                  "--bind", "127.0.0.1"], f"127.0.0.1:{port}")
-        self.redis_url = f"redis://127.0.0.1:{port}/0"
+                                  "--bind", "127.0.0.1", *(a.format(port=port) for a in extra)],
+                        f"127.0.0.1:{port}")
+        self.redis_url = (url or "redis://127.0.0.1:{port}/0").format(port=port)
         wait_until(lambda: _tcp_open(port), 20, "redis", [(p.popen, p.log)])
         return p
 
@@ -135,12 +141,13 @@ class Stack:
 @contextlib.contextmanager
 def standard_stack(model_dir, workdir: Path, decode_args: tuple[str, ...] = (),
                    gateway_args: tuple[str, ...] = (), prefills: tuple[str, ...] = ("prefill",),
-                   prefill_args: tuple[str, ...] = (), decodes: tuple[str, ...] = ("decode",)):
+                   prefill_args: tuple[str, ...] = (), decodes: tuple[str, ...] = ("decode",),
+                   env: dict | None = None, redis_args: tuple[str, ...] = ()):
     """redis + prefill and decode workers (one per name) + the gateway, healthy; logs printed
-    if startup fails."""
-    s = Stack(str(model_dir), workdir)
+    if startup fails. `env`: given to every process; `redis_args`: redis-server flags."""
+    s = Stack(str(model_dir), workdir, env=dict(env or {}))
     try:
-        s.start_redis()
+        s.start_redis(*redis_args)
         for name in prefills:
             s.start_worker("prefill", *prefill_args, name=name)
         for name in decodes:

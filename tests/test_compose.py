@@ -25,8 +25,11 @@ GPU8 = ROOT / "docker-compose.gpu8.yml"
 MODEL = "/models/SmolLM2-135M-Instruct"
 REDIS_URL = "redis://redis:6379/0"
 PORTS = {"prefill": "50061", "decode": "50071"}
-BASE_SERVICES = {"redis", "model", "prefill", "decode", "gateway"}
-PDSERVE_SERVICES = ("model", "prefill", "decode", "gateway")
+BASE_SERVICES = {"secrets", "redis", "model", "prefill", "decode", "gateway"}
+PDSERVE_SERVICES = ("secrets", "model", "prefill", "decode", "gateway")
+SECRET_FLAGS = ["--cluster-token-file", "/secrets/cluster-token",
+                "--redis-password-file", "/secrets/redis-password"]
+SERVING_VOLUMES = ["models:/models:ro", "secrets:/secrets:ro"]
 
 # What every GPU worker container gets (docker-compose.gpu.yml explains each line).
 GPU_ENV = {
@@ -62,7 +65,7 @@ def _flag(command: list[str], name: str) -> str:
 
 def cpu_worker_command(role: str, advertise: str) -> list[str]:
     return [role, "--model", MODEL, "--host", "0.0.0.0", "--port", PORTS[role],
-            "--advertise-host", advertise, "--redis-url", REDIS_URL]
+            "--advertise-host", advertise, "--redis-url", REDIS_URL, *SECRET_FLAGS]
 
 
 def gpu_worker_command(role: str, advertise: str, gpu: int) -> list[str]:
@@ -139,8 +142,40 @@ def test_serving_depends_on_redis_and_model(normalized, name):
     svc = normalized["services"][name]
     assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
     assert svc["depends_on"]["model"]["condition"] == "service_completed_successfully"
-    assert svc["volumes"] == ["models:/models:ro"]
+    assert svc["volumes"] == SERVING_VOLUMES
     assert "healthcheck" in svc
+
+
+def test_secrets_come_first_and_stay_off_command_lines(normalized):
+    """The token and Redis's password are made once into the secrets volume; Redis reads its
+    password from a config file there, and its healthcheck authenticates from the file."""
+    services = normalized["services"]
+    made = services["secrets"]
+    assert made["command"] == ["secrets", "--dir", "/secrets", "--redis-uid", "999"]
+    assert made["volumes"] == ["secrets:/secrets:rw"] and made["restart"] == "no"
+    redis = services["redis"]
+    assert redis["command"][:2] == ["redis-server", "/secrets/redis.conf"]
+    assert redis["volumes"] == ["secrets:/secrets:ro"]
+    assert redis["depends_on"] == {"secrets": {"condition": "service_completed_successfully"}}
+    assert "/secrets/redis-password" in " ".join(redis["healthcheck"]["test"])
+    for name in ("prefill", "decode", "gateway"):
+        command = services[name]["command"]
+        assert _flag(command, "--cluster-token-file") == "/secrets/cluster-token"
+        assert _flag(command, "--redis-password-file") == "/secrets/redis-password"
+    assert "secrets" in normalized["volumes"]
+
+
+def test_the_secrets_command_makes_files_once(tmp_path):
+    from pdserve import deploy_secrets
+
+    assert deploy_secrets.make(tmp_path) == ["cluster-token", "redis-password", "redis.conf"]
+    token = (tmp_path / "cluster-token").read_text()
+    assert deploy_secrets.make(tmp_path) == []
+    assert (tmp_path / "cluster-token").read_text() == token
+    password = (tmp_path / "redis-password").read_text().strip()
+    assert (tmp_path / "redis.conf").read_text() == f"requirepass {password}\n"
+    for name in ("cluster-token", "redis-password", "redis.conf"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o600
 
 
 def test_model_service_fetches_into_the_volume(normalized):
@@ -152,9 +187,9 @@ def test_model_service_fetches_into_the_volume(normalized):
 
 def test_raw_file_parses_with_pyyaml():
     raw = yaml.safe_load(COMPOSE.read_text())
-    assert {"redis", "model", "prefill", "decode", "gateway"} <= set(raw["services"])
+    assert BASE_SERVICES <= set(raw["services"])
     assert raw["services"]["gateway"]["ports"] == ["8000:8000", "50051:50051"]
-    for name in ("prefill", "decode", "gateway", "model"):
+    for name in ("prefill", "decode", "gateway", "model", "secrets"):
         assert raw["services"][name]["image"] == "pdserve:latest"
         assert raw["services"][name]["build"] == "."
 
@@ -187,7 +222,7 @@ def _check_gpu_worker(svc: dict, gpus: list[str]) -> None:
     # With the host's IPC namespace /dev/shm is the host's: a shm_size would be ignored.
     assert "shm_size" not in svc
     # What the CPU stack gives a worker, unchanged.
-    assert svc["volumes"] == ["models:/models:ro"]
+    assert svc["volumes"] == SERVING_VOLUMES
     assert svc["restart"] == "unless-stopped"
     assert svc["depends_on"] == {"redis": {"condition": "service_healthy"},
                                  "model": {"condition": "service_completed_successfully"}}
@@ -213,7 +248,7 @@ def _check_layout(config: dict, layout: dict[str, tuple[str, int]], gpus: list[s
 
 def _check_non_workers(config: dict, cpu: dict) -> None:
     services = config["services"]
-    for name in ("gateway", "model"):
+    for name in ("gateway", "model", "secrets"):
         svc = services[name]
         assert not GPU_ONLY_KEYS & set(svc), (name, GPU_ONLY_KEYS & set(svc))  # no GPU
         assert svc["image"] == CUDA_IMAGE  # one image to build for the whole stack

@@ -97,5 +97,5 @@ def test_generate_validation_matches_rest(preparer):
             if body is not None:
                 rest_msg = rest.post("/v1/completions", json=body).json()["error"]["message"]
                 assert details == rest_msg
-    assert "no decode worker registered" in results[-1][1]
+    assert "no decode worker is available" in results[-1][1]
     assert "messages must not be empty" in results[-4][1]

@@ -87,7 +87,7 @@ def test_no_worker_is_a_clear_503(redis_url):
         return info.value
 
     err = asyncio.run(_with_router(redis_url, body))
-    assert err.status == 503 and "no decode worker registered" in err.message
+    assert err.status == 503 and "no decode worker is available" in err.message
 
 
 def test_keeps_last_known_workers_when_redis_goes_away(private_redis, caplog):

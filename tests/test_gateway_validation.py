@@ -1,6 +1,6 @@
 """Request validation of the REST front door: every bad input is a 400 (404 for an unknown model)
 with an OpenAI error body, and never reaches a worker (there are none here: a valid request gets
-503 "no decode worker registered")."""
+503 "no decode worker is available")."""
 
 from __future__ import annotations
 
@@ -187,7 +187,7 @@ def test_missing_fields_are_400(client):
         max_completion_tokens=5, include_stop_str_in_output=True, skip_special_tokens=False)),
 ])
 def test_valid_requests_without_workers_are_503(client, path, body):
-    _assert_error(client.post(path, json=body), 503, None, "no decode worker registered")
+    _assert_error(client.post(path, json=body), 503, None, "no decode worker is available")
 
 
 def test_models_health_and_unknown_routes(client):
@@ -199,11 +199,17 @@ def test_models_health_and_unknown_routes(client):
     _assert_error(client.get("/v1/nothing"), 404)
 
 
-def test_request_ids_cannot_name_a_choice(preparer):
+def test_a_clients_request_id_is_metadata_only(preparer):
+    """Workers know a request by the gateway's id: two clients giving the same id (or one
+    naming another request's choice, "abc#1") cannot collide there."""
     from gateway.errors import GatewayError
 
+    a = preparer.prepare(Prompt(text="x"), RawParams(), client_request_id="abc#1")
+    b = preparer.prepare(Prompt(text="x"), RawParams(), client_request_id="abc#1")
+    assert a.request_id != b.request_id and "#" not in a.request_id
+    assert a.public_id == b.public_id == "abc#1"
     with pytest.raises(GatewayError) as e:
-        preparer.prepare(Prompt(text="x"), RawParams(), request_id="abc#1")
+        preparer.prepare(Prompt(text="x"), RawParams(), client_request_id="x" * 10_000)
     assert e.value.param == "request_id" and e.value.status == 400
 
 

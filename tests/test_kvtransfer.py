@@ -145,5 +145,8 @@ def test_kvbench_measures_every_transport_between_two_processes(tmp_path):
                     "2", "--out", str(out)], check=True, timeout=300, capture_output=True)
     results = json.loads(out.read_text())["results"]
     # cma needs ptrace rights over the child (Yama scope 0 or 1: it is our child)
-    assert set(results) - {"cma"} == {"memcpy", "tcp socket", "grpc", "torch", "nixl"}
+    transports = {"grpc", "torch", "nixl"}
+    assert set(results) - {"cma"} == {"memcpy", "checksum", "tcp socket", *transports,
+                                      *(f"{t} no checksum" for t in transports)}
+    assert all("checksum_cost" in results[t] for t in transports)
     assert all(r["median_s"] > 0 and len(r["times_s"]) == 2 for r in results.values())

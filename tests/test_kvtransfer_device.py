@@ -18,6 +18,7 @@ import torch
 from engine.request import TokenLogprob
 from kvtransfer import KVTransferError, TransferTarget, block_bytes
 from kvtransfer.base import poll_until
+from kvtransfer.integrity import block_checksums
 from kvtransfer.loopback import MemorySink, receiving
 from kvtransfer.staging import HostStaging
 from kvtransfer.torch_transport import MessageTensors, TorchKVReceiver, TorchKVSender
@@ -155,7 +156,12 @@ def test_grpc_sender_and_decode_sink_move_blocks_through_staging(model_dir):
         aengine = AsyncEngine(engine)
         aengine.start()
         metrics = WorkerMetrics("decode", "d1", engine.pool.num_blocks, lambda: (0, 0, 0))
-        sink = DecodeSink(aengine, metrics.transfers("grpc"))
+        refused = []
+
+        async def refuse(rid, why):
+            refused.append((rid, why))
+
+        sink = DecodeSink(aengine, metrics.transfers("grpc"), refuse)
         req = Request("r", list(range(1, 9)), SamplingParams(temperature=0, max_tokens=3,
                                                              ignore_eos=True))
         queue = aengine.open_stream("r")
@@ -173,9 +179,10 @@ def test_grpc_sender_and_decode_sink_move_blocks_through_staging(model_dir):
         finally:
             aengine.close_stream("r")
             aengine.stop()
-        return blocks, tokens + out.new_token_ids, sender, sink
+        return blocks, tokens + out.new_token_ids, sender, sink, refused
 
-    blocks, tokens, sender, sink = asyncio.run(body())
+    blocks, tokens, sender, sink, refused = asyncio.run(body())
+    assert not refused                                  # the checksums matched
     assert len(blocks) == 2 and tokens[0] == 42 and len(tokens) == 3   # decoded on our KV
     for s, d in zip([6, 3], blocks):
         assert torch.equal(engine.kv[:, :, d], src[:, :, s]), (s, d)
@@ -187,13 +194,15 @@ def test_grpc_sender_and_decode_sink_move_blocks_through_staging(model_dir):
 def test_torch_transport_keeps_every_message_tensor_on_the_pool_device():
     kv = torch.empty(shape(8), device=META)
     tensors = MessageTensors(LAYOUT, META)
-    header, meta, data = tensors.outgoing(b"a KVChunk", kv, [1, 5])
-    assert header.dtype == torch.int64 and header.shape == (2,) and meta.shape == (9,)
-    assert data.shape == shape(2)
-    received = [tensors.header(), tensors.meta(9), tensors.data(3), tensors.goodbye()]
-    assert {t.device for t in [header, meta, data, *received]} == {META}
+    header, meta, data, sums = tensors.outgoing(b"a KVChunk", kv, [1, 5])
+    assert header.dtype == torch.int64 and header.shape == (3,) and meta.shape == (9,)
+    assert data.shape == shape(2) and sums.shape == (2,) and sums.dtype == torch.int64
+    received = [tensors.header(), tensors.meta(9), tensors.data(3), tensors.sums(3),
+                tensors.goodbye()]
+    assert {t.device for t in [header, meta, data, sums, *received]} == {META}
     assert received[2].shape == shape(3) and received[2].dtype == torch.float32
     assert len(tensors.outgoing(b"last", kv, [])) == 2            # no blocks: no data tensor
+    assert len(tensors.outgoing(b"off", kv, [1], checksum=False)) == 3    # no checksums
 
     # the sender's channels and the receiver build their tensors for the pool's device
     async def devices():
@@ -215,9 +224,11 @@ def test_torch_transport_keeps_every_message_tensor_on_the_pool_device():
 def test_torch_message_header_and_meta_read_back_on_the_host():
     src = pool(4, seed=9)
     tensors = MessageTensors(LAYOUT, src.device)
-    header, meta, data = tensors.outgoing(b"\x00meta\xff", src, [3])
-    assert tensors.read_header(header) == (6, 1) and tensors.read_meta(meta) == b"\x00meta\xff"
+    header, meta, data, sums = tensors.outgoing(b"\x00meta\xff", src, [3])
+    assert tensors.read_header(header) == (6, 1, True)
+    assert tensors.read_meta(meta) == b"\x00meta\xff"
     assert torch.equal(data[:, :, 0], src[:, :, 3])
+    assert sums.tolist() == block_checksums(src, [3]).tolist()
     assert tensors.read_header(tensors.goodbye())[0] < 0
 
 

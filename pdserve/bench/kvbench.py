@@ -8,6 +8,12 @@ transfer target, then a line per completed request. The parent owns a pool of th
 the last ones with the first token. A request's time runs from the first send to the moment the
 receiver knows it is complete (both read CLOCK_MONOTONIC, which is shared by all processes).
 
+Every transport runs with KV checksums (kvtransfer.integrity: the default, computed by the
+sender, verified by the receiver on its pool) and without ("<name> no checksum", both sides
+--kv-checksum off), against two receiver processes that take requests in turn (a receiver
+waits idle, reading its stdin, until its turn), so load from elsewhere falls on both alike; the
+row "checksum" is the checksum of one request's blocks on one side, in this process.
+
 Baselines: memcpy = copying the same bytes between two tensors in one process (the floor for
 any transport); TCP = the same bytes through one socket to the child; cma = the same regions
 the nixl transport writes (one per layer, K/V and chunk), copied straight into the child's
@@ -35,6 +41,7 @@ import torch
 
 from engine.engine import KVLayout
 from kvtransfer.base import block_bytes, create_sender
+from kvtransfer.integrity import block_checksums
 from kvtransfer.wire import target_from_pb, target_to_pb
 
 LAYOUT = KVLayout("float32", 16, 30, 3, 64)
@@ -47,26 +54,32 @@ def _free_port() -> int:
 
 
 # ---------------------------------------------------------------------- the receiver process
-async def _receive(name: str, num_blocks: int, requests: int) -> None:
+async def _receive(name: str, num_blocks: int, requests: int, checksum: bool) -> None:
     from kvtransfer.base import TransferTarget
     from kvtransfer.loopback import MemorySink, receiving
 
     sink = MemorySink(LAYOUT, num_blocks)
-    async with receiving(name, sink, f"127.0.0.1:{_free_port()}") as receiver:
+    async with receiving(name, sink, f"127.0.0.1:{_free_port()}",
+                         checksum=checksum) as receiver:
         blocks = tuple(range(num_blocks))
         target = TransferTarget(name, receiver.address(), "kvbench", LAYOUT, blocks, 0,
                                 receiver.metadata())
         print("target", base64.b64encode(target_to_pb(target).SerializeToString()).decode(),
               flush=True)
         for i in range(requests):
+            if not await asyncio.to_thread(sys.stdin.readline):    # our turn, or the end
+                return
             sink.reservations[f"r{i}"] = list(blocks)
             print(f"ready r{i}", flush=True)
             while f"r{i}" not in sink.completed:
+                if f"r{i}" in sink.rejected:
+                    print(f"done r{i} rejected: {sink.rejected[f'r{i}']}", flush=True)
+                    return
                 await asyncio.sleep(0.0002)
-            print(f"done r{i} {sink.completed_at[f'r{i}']!r} {_checksum(sink.kv)}", flush=True)
+            print(f"done r{i} {sink.completed_at[f'r{i}']!r} {_fingerprint(sink.kv)}", flush=True)
 
 
-def _checksum(kv: torch.Tensor) -> str:
+def _fingerprint(kv: torch.Tensor) -> str:
     return f"{kv[-1, -1, -1].sum().item():.6f}"
 
 
@@ -90,7 +103,7 @@ def _cma_receive(num_blocks: int) -> None:
     print("cma", os.getpid(), kv.data_ptr(), flush=True)
     for line in sys.stdin:
         if line.strip() == "sum":
-            print("sum", _checksum(kv), flush=True)
+            print("sum", _fingerprint(kv), flush=True)
         else:
             return
 
@@ -98,7 +111,7 @@ def _cma_receive(num_blocks: int) -> None:
 # ---------------------------------------------------------------------- the sender
 def _spawn(*args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "pdserve.bench.kvbench", *args],
-                            stdout=subprocess.PIPE, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
 def _line(child: subprocess.Popen, word: str) -> list[str]:
@@ -111,33 +124,56 @@ def _line(child: subprocess.Popen, word: str) -> list[str]:
             return line.split()
 
 
-async def _send(name: str, src: torch.Tensor, chunk: int, requests: int) -> list[float]:
-    n = src.shape[2]
-    child = _spawn("--serve", name, "--num-blocks", str(n), "--requests", str(requests))
-    try:
-        from proto import pdserve_pb2 as pb
+async def _send(name: str, src: torch.Tensor, chunk: int,
+                requests: int) -> dict[bool, list[float]]:
+    """-> request times with checksums (True) and without (False), the two taking turns."""
+    from proto import pdserve_pb2 as pb
 
-        target = target_from_pb(pb.KVDescriptor.FromString(
-            base64.b64decode(_line(child, "target")[1])))
-        sender = create_sender(name, LAYOUT, kv=src)
-        times = []
+    n = src.shape[2]
+    children, targets, senders = {}, {}, {}
+    try:
+        for checksum in (True, False):
+            children[checksum] = child = _spawn(
+                "--serve", name, "--num-blocks", str(n), "--requests", str(requests),
+                "--checksum", "on" if checksum else "off")
+            targets[checksum] = target_from_pb(pb.KVDescriptor.FromString(
+                base64.b64decode(_line(child, "target")[1])))
+            senders[checksum] = create_sender(name, LAYOUT, kv=src, checksum=checksum)
+        times: dict[bool, list[float]] = {True: [], False: []}
         for i in range(requests):
-            _line(child, "ready")
-            t0 = time.monotonic()
-            stream = sender.open(f"r{i}", src, target)
-            ids = list(range(n))
-            for start in range(0, n - chunk, chunk):
-                await stream.send(ids[start:start + chunk], ids[start:start + chunk])
-            last = ids[(max(n - 1, 0) // chunk) * chunk:]
-            await stream.finish(1, None, last, last)
-            words = await asyncio.to_thread(_line, child, "done")
-            times.append(float(words[2]) - t0)
-            if words[3] != _checksum(src):
-                raise RuntimeError(f"{name}: the receiver's last block differs ({words})")
-        await sender.close()
+            for checksum in (True, False) if i % 2 == 0 else (False, True):
+                times[checksum].append(await _request(
+                    name, children[checksum], senders[checksum], targets[checksum], src, chunk,
+                    f"r{i}"))
+        for sender in senders.values():
+            await sender.close()
         return times
     finally:
-        child.wait(timeout=30)
+        for child in children.values():
+            child.stdin.close()
+            child.wait(timeout=30)
+
+
+async def _request(name: str, child: subprocess.Popen, sender, target, src: torch.Tensor,
+                   chunk: int, rid: str) -> float:
+    """One request the way a prefill worker sends it; -> seconds until the receiver has it."""
+    n = src.shape[2]
+    child.stdin.write("go\n")
+    child.stdin.flush()
+    _line(child, "ready")
+    t0 = time.monotonic()
+    stream = sender.open(rid, src, target)
+    ids = list(range(n))
+    for start in range(0, n - chunk, chunk):
+        await stream.send(ids[start:start + chunk], ids[start:start + chunk])
+    last = ids[(max(n - 1, 0) // chunk) * chunk:]
+    await stream.finish(1, None, last, last)
+    words = await asyncio.to_thread(_line, child, "done")
+    if words[2] == "rejected:":
+        raise RuntimeError(f"{name}: the receiver refused the transfer: {words}")
+    if words[3] != _fingerprint(src):
+        raise RuntimeError(f"{name}: the receiver's last block differs ({words})")
+    return float(words[2]) - t0
 
 
 def _memcpy(src: torch.Tensor, requests: int) -> list[float]:
@@ -198,12 +234,22 @@ def _cma(src: torch.Tensor, chunk: int, requests: int) -> list[float]:
             times.append(time.monotonic() - t0)
         child.stdin.write("sum\n")
         child.stdin.flush()
-        if _line(child, "sum")[1] != _checksum(src):
+        if _line(child, "sum")[1] != _fingerprint(src):
             raise RuntimeError("cma: the receiver's last block differs")
         return times
     finally:
         child.stdin.close()
         child.wait(timeout=30)
+
+
+def _checksums(src: torch.Tensor, requests: int) -> list[float]:
+    blocks = range(src.shape[2])
+    times = []
+    for _ in range(requests):
+        t0 = time.perf_counter()
+        block_checksums(src, blocks)
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def run(args) -> dict:
@@ -213,23 +259,32 @@ def run(args) -> dict:
     torch.set_num_threads(1)
     src = torch.randn(LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads,
                       LAYOUT.head_dim)
-    results = {"memcpy": _memcpy(src, args.repeat), "tcp socket": _tcp(nbytes, args.repeat)}
+    results = {"memcpy": _memcpy(src, args.repeat), "checksum": _checksums(src, args.repeat),
+               "tcp socket": _tcp(nbytes, args.repeat)}
     try:
         results["cma"] = _cma(src, args.chunk_blocks, args.repeat)
     except OSError as exc:      # ptrace restrictions (Yama) or a kernel without CMA
         print(f"cma baseline skipped: {exc}")
-    for name in args.transports.split(","):
-        results[name] = asyncio.run(_send(name, src, args.chunk_blocks, args.repeat))
+    names = args.transports.split(",")
+    for name in names:
+        times = asyncio.run(_send(name, src, args.chunk_blocks, args.repeat))
+        results[name], results[f"{name} no checksum"] = times[True], times[False]
     base = statistics.median(results["memcpy"])
     print(f"{num_blocks} blocks of {bb} bytes = {nbytes / (1 << 20):.1f} MiB per request, "
           f"{args.repeat} requests, {args.chunk_blocks} blocks per send")
-    print(f"{'path':<12} {'median ms':>10} {'GB/s':>8} {'x memcpy':>9}")
+    print(f"{'path':<22} {'median ms':>10} {'GB/s':>8} {'x memcpy':>9} {'checksum cost':>14}")
     summary = {}
     for name, times in results.items():
         med = statistics.median(times)
         summary[name] = {"median_s": med, "gb_per_s": nbytes / med / 1e9, "x_memcpy": med / base,
                          "times_s": times}
-        print(f"{name:<12} {med * 1e3:>10.2f} {nbytes / med / 1e9:>8.2f} {med / base:>9.2f}")
+        cost = ""
+        if name in names:
+            off = statistics.median(results[f"{name} no checksum"])
+            summary[name]["checksum_cost"] = med / off - 1
+            cost = f"{(med / off - 1) * 100:+.1f}%"
+        print(f"{name:<22} {med * 1e3:>10.2f} {nbytes / med / 1e9:>8.2f} {med / base:>9.2f} "
+              f"{cost:>14}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"bytes": nbytes, "blocks": num_blocks, "results": summary}, f, indent=1)
@@ -249,6 +304,7 @@ def _child(argv: list[str]) -> None:
     p.add_argument("--num-blocks", type=int, default=0)
     p.add_argument("--nbytes", type=int, default=0)
     p.add_argument("--requests", type=int, default=1)
+    p.add_argument("--checksum", default="on", choices=["on", "off"])
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     if a.serve_cma:
@@ -256,7 +312,7 @@ def _child(argv: list[str]) -> None:
     elif a.serve_tcp:
         _tcp_receive(a.serve_tcp, a.nbytes, a.requests)
     else:
-        asyncio.run(_receive(a.serve, a.num_blocks, a.requests))
+        asyncio.run(_receive(a.serve, a.num_blocks, a.requests, a.checksum == "on"))
 
 
 if __name__ == "__main__":

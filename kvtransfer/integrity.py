@@ -1,0 +1,222 @@
+"""KV integrity: block checksums, and the rules a receiver applies before a request may run.
+
+Checksum (`block_checksums`, `checksums`). A block's KV, every layer, K and V, is read as
+integer words (int64 when a token's K or V row of one layer is a multiple of 8 bytes, else
+int32 or int16, the widest that divides it); each row (one layer, K or V, one token slot) is
+summed, and the row sums are combined with odd weights that depend on the row's position in the
+block:
+
+    checksum(block) = sum over rows r of (sum of r's words) * (2 * position(r) + 1)   (mod 2^64)
+
+All of it is integer arithmetic modulo 2^64 (torch's int64 wraps on CPUs and CUDA alike, and
+modular sums do not depend on the order of the reduction), so the same bytes give the same
+checksum on any device, whatever its dtype (fp32, fp16, bf16 are just bytes here). What it
+catches: any single flipped bit (a word changes by +-2^k, its row sum too, and an odd weight
+keeps that change nonzero modulo 2^64); rows that landed at another row's place (a wrong layer,
+K for V, a shifted token slot: their weights differ); a block that is another one (swapped
+blocks, a stale block never overwritten, another request's block: different bytes). It is not a
+cryptographic hash: someone who can write the pool can forge it. Cost: one read of the blocks
+(the sums), nothing per word but an add; on CPUs the blocks are read in place, on devices
+gathered in slices of at most GATHER_BYTES so the kernels stay few.
+
+Receiving (`Intake`). Nothing a receiver gets is trusted. Per request, against the sink's
+reservation: every block id must be one the request reserved, none may arrive twice, a piece's
+data must be exactly len(block_ids) blocks of the layout, checksums (when required) must come
+with every block; the completion is accepted only once every reserved block has arrived, with a
+first token inside the vocabulary, and (checksums on) the pool's blocks, checksummed after they
+were written, equal what the sender computed. A broken rule raises `Refused` before anything is
+written; the receiver then rejects the request through the sink, which fails it or computes its
+prompt on the decode worker. Both sides must agree: a receiver that requires checksums refuses a
+sender that sends none; one that does not (--kv-checksum off) ignores those it is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtransfer.base import KVSink, KVTransferError, block_bytes, poll_until
+from kvtransfer.staging import host_to_device
+
+GATHER_BYTES = 64 << 20     # device path: blocks gathered per slice
+
+
+def _words(kv: torch.Tensor) -> torch.Tensor:
+    """kv [layers, 2, blocks, block_size, kv_heads, head_dim] (contiguous) as integer words
+    [layers, 2, blocks, block_size, words per row], without a copy."""
+    layers, two, blocks, slots = kv.shape[:4]
+    row = kv.reshape(layers, two, blocks, slots, -1).view(torch.uint8)
+    for word in (torch.int64, torch.int32):
+        if row.shape[-1] % word.itemsize == 0:
+            return row.view(word)
+    return row.view(torch.int16)           # KV dtypes have 2 or 4 bytes
+
+
+def _weights(words: torch.Tensor) -> torch.Tensor:
+    """Odd weights of the rows' positions in a block: int64 [layers, 2, 1, block_size]."""
+    layers, two, _, slots = words.shape[:4]
+    position = torch.arange(layers * two * slots, dtype=torch.int64, device=words.device)
+    return (position * 2 + 1).view(layers, two, 1, slots)
+
+
+def checksums(blocks: torch.Tensor) -> torch.Tensor:
+    """The checksum of each of `blocks` [layers, 2, n, block_size, kv_heads, head_dim] (a
+    gather, or received data): int64 [n] on their device (queued there, no sync)."""
+    words = _words(blocks)
+    rows = words.sum(-1, dtype=torch.int64)                # [layers, 2, n, block_size]
+    return (rows * _weights(words)).sum(dim=(0, 1, 3))
+
+
+def block_checksums(kv: torch.Tensor, block_ids) -> torch.Tensor:
+    """The checksums of the pool's blocks `block_ids`: int64 [len(block_ids)] on kv's device,
+    queued on its current stream behind what wrote them (no sync)."""
+    ids = [int(b) for b in block_ids]
+    if not ids:
+        return torch.zeros(0, dtype=torch.int64, device=kv.device)
+    if kv.device.type == "cpu":      # in place, a run of consecutive ids at a time (a view):
+        words = _words(kv)           # a gather would be a second pass over the blocks
+        weights = _weights(words)
+        runs = [[b for _, b in run]
+                for _, run in itertools.groupby(enumerate(ids), key=lambda t: t[1] - t[0])]
+        return torch.cat([(words[:, :, run[0]:run[-1] + 1].sum(-1, dtype=torch.int64)
+                           * weights).sum(dim=(0, 1, 3)) for run in runs])
+    return gathered_checksums(kv, ids)
+
+
+def gathered_checksums(kv: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+    """block_checksums on a device: the blocks gathered in slices of at most GATHER_BYTES, a
+    few kernels per slice rather than a few per block."""
+    per = max(1, GATHER_BYTES // (kv[:, :, 0].numel() * kv.element_size()))
+    index = host_to_device(torch.tensor(block_ids, dtype=torch.long), kv.device)
+    return torch.cat([checksums(kv.index_select(2, index[i:i + per]))
+                      for i in range(0, len(block_ids), per)])
+
+
+async def host_values(sums: torch.Tensor, timeout_s: float, stream=None) -> list[int]:
+    """A device tensor of checksums on the host without blocking the event loop: on CUDA a
+    copy into page-locked memory on `stream` (default: the current one, where they were
+    computed) and an event polled for; elsewhere at once."""
+    if sums.device.type != "cuda":
+        return sums.tolist()
+    stream = stream or torch.cuda.current_stream(sums.device)
+    host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+    with torch.cuda.stream(stream):
+        host.copy_(sums, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(stream)
+    await poll_until(copied.query, timeout_s, lambda: "KV checksums were not computed")
+    return host.tolist()
+
+
+class Refused(KVTransferError):
+    """A transfer broke a rule. kind: "unknown" (no reservation: nothing to fail), "invalid"
+    (malformed, out of bounds, incomplete) or "checksum" (corrupted KV)."""
+
+    def __init__(self, request_id: str, kind: str, message: str) -> None:
+        super().__init__(f"request {request_id}: {message}")
+        self.request_id = request_id
+        self.kind = kind
+
+
+@dataclass
+class _Transfer:
+    reserved: list[int]        # the sink's own list: another object means a new reservation
+    arrived: list[int] = field(default_factory=list)
+    claimed: list[int] = field(default_factory=list)     # the sender's checksums of `arrived`
+
+
+class Intake:
+    """What one receiver has accepted of each request's transfer so far (see the module's
+    docstring for the rules). Calls come from the receiver's event loop.
+
+    checksums: require and verify them (--kv-checksum on)."""
+
+    def __init__(self, sink: KVSink, checksums: bool = True, timeout_s: float = 30.0) -> None:
+        self.sink = sink
+        self.checksums = checksums
+        self.timeout_s = timeout_s
+        self.block_bytes = block_bytes(sink.layout)
+        self._transfers: dict[str, _Transfer] = {}
+
+    def _transfer(self, request_id: str) -> _Transfer:
+        reserved = self.sink.reserved_blocks(request_id)
+        if reserved is None:
+            self._transfers.pop(request_id, None)
+            raise Refused(request_id, "unknown", "no KV reservation here (aborted, finished, or "
+                                                 "never reserved)")
+        t = self._transfers.get(request_id)
+        if t is None or t.reserved is not reserved:
+            # a new transfer: forget those whose reservation has ended (timeouts, aborts)
+            for rid in [r for r, old in self._transfers.items()
+                        if self.sink.reserved_blocks(r) is not old.reserved]:
+                del self._transfers[rid]
+            t = self._transfers[request_id] = _Transfer(reserved)
+        return t
+
+    def admit(self, request_id: str, block_ids, nbytes: int | None, claimed) -> list[int]:
+        """Check a piece of `block_ids` with `nbytes` of data (None: written one-sidedly, not
+        seen) and the sender's checksums `claimed` of them; -> the ids, recorded as arrived.
+        Raises Refused before anything is written."""
+        t = self._transfer(request_id)
+        ids = [int(b) for b in block_ids]
+        claimed = [int(c) for c in claimed]
+        reserved = set(t.reserved)
+        foreign = [b for b in ids if b not in reserved]
+        if foreign:
+            self._refuse(request_id, "invalid", f"blocks {foreign[:8]} are not reserved for it")
+        repeated = sorted({b for b, n in Counter(ids).items() if n > 1}
+                          | (set(ids) & set(t.arrived)))
+        if repeated:
+            self._refuse(request_id, "invalid", f"blocks {repeated[:8]} written twice")
+        if nbytes is not None and nbytes != len(ids) * self.block_bytes:
+            self._refuse(request_id, "invalid",
+                         f"{nbytes} bytes of KV for {len(ids)} blocks of {self.block_bytes}")
+        if self.checksums and ids:
+            if not claimed:
+                self._refuse(request_id, "invalid",
+                             "the sender sends no KV checksums and this decode worker requires "
+                             "them: run every worker with --kv-checksum on (the default), or "
+                             "every worker with --kv-checksum off")
+            if len(claimed) != len(ids):
+                self._refuse(request_id, "invalid",
+                             f"{len(claimed)} checksums for {len(ids)} blocks")
+        t.arrived += ids
+        if self.checksums:
+            t.claimed += claimed
+        return ids
+
+    async def finish(self, request_id: str, first_token: int) -> None:
+        """Accept the completion, or raise Refused: every reserved block must have arrived, the
+        first token must be in the vocabulary, and (checksums on) the pool's blocks must match
+        the sender's checksums. The transfer is forgotten either way."""
+        t = self._transfer(request_id)
+        missing = sorted(set(t.reserved) - set(t.arrived))
+        if missing:
+            self._refuse(request_id, "invalid",
+                         f"the transfer completed with {len(missing)} of its "
+                         f"{len(t.reserved)} KV blocks missing (e.g. {missing[:8]})")
+        if not 0 <= first_token < self.sink.vocab_size:
+            self._refuse(request_id, "invalid", f"first token {first_token} is outside the "
+                                                f"vocabulary ({self.sink.vocab_size} tokens)")
+        if self.checksums:
+            sums = await asyncio.to_thread(block_checksums, self.sink.pool, t.arrived)
+            got = await host_values(sums, self.timeout_s)
+            bad = [b for b, want, have in zip(t.arrived, t.claimed, got) if want != have]
+            if bad:
+                self._refuse(request_id, "checksum",
+                             f"KV checksum mismatch in {len(bad)} of {len(t.arrived)} blocks "
+                             f"(e.g. block {bad[0]}): the KV was corrupted in transfer")
+        self._transfers.pop(request_id, None)    # pruned meanwhile if its reservation ended
+
+    def _refuse(self, request_id: str, kind: str, message: str):
+        self._transfers.pop(request_id, None)
+        raise Refused(request_id, kind, message)
+
+    async def reject(self, exc: Refused) -> None:
+        """Hand a refused request to the sink (nothing to do for one it does not expect)."""
+        if exc.kind != "unknown":
+            await self.sink.reject(exc.request_id, str(exc), exc.kind)

@@ -1,0 +1,422 @@
+"""`pdserve chaos`: a bounded soak of the whole stack while its parts are killed.
+
+    redis (password) + 2 prefill + 2 decode workers + gateway, one deployment token
+    steady streaming load: greedy and seeded sampled completions whose answers are known
+    every --kill-interval seconds (jittered): one worker kill -9'd, or Redis stopped; restarted
+    after --restart-delay seconds on the same port (at most one worker per role down at once)
+
+The known answers are taken on the same stack before the first kill: greedy and seeded
+sampling are functions of the prompt, the seed and the position only, so every later answer
+must equal them token for token, whichever workers served it and however often its stream
+moved. At the end the load stops, every process is brought back, and the report says:
+requests sent, completed token-exact, completed but different (must be 0), failed with a clear
+error (per reason), hung (no answer within --hang-timeout; must be 0), streams migrated and
+retried (the gateway's counters), and blocks leaked on every worker (must be 0). Exit status 1
+when any must-be-0 count is not.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdserve import health
+from pdserve.paths import resolve_model
+
+log = logging.getLogger(__name__)
+
+PROMPTS = ("The capital of France is", "List three colors:", "def fibonacci(n):",
+           "Once upon a time, in a small village,", "The three laws of motion are",
+           "Translate to French: good morning", "A haiku about the sea:",
+           "Q: What is 12 times 12?\nA:")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Part:
+    """One process of the stack: how to start it, how to tell it is healthy."""
+
+    name: str
+    cmd: list[str]
+    address: str
+    healthy: object                          # () -> bool
+    log: Path
+    proc: subprocess.Popen | None = None
+    kills: int = 0
+
+    def start(self, env: dict) -> None:
+        self.proc = subprocess.Popen(self.cmd, stdout=open(self.log, "a"),
+                                     stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self.kills += 1
+
+    def stop(self) -> None:
+        if self.alive():
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@dataclass
+class Report:
+    sent: int = 0
+    exact: int = 0
+    different: int = 0
+    failed: Counter = field(default_factory=Counter)
+    hung: int = 0
+    kills: dict = field(default_factory=dict)
+    migrated: int = 0
+    retried: int = 0
+    leaked: dict = field(default_factory=dict)     # worker -> blocks still referenced
+    busy: dict = field(default_factory=dict)       # worker -> requests still running/waiting
+    seconds: float = 0.0
+
+    def ok(self) -> bool:
+        return (not self.different and not self.hung and not any(self.leaked.values())
+                and not any(self.busy.values()))
+
+    def as_dict(self) -> dict:
+        return dict(sent=self.sent, completed_token_exact=self.exact,
+                    completed_different=self.different, failed=dict(self.failed),
+                    hung=self.hung, migrated=self.migrated, retried=self.retried,
+                    kills=self.kills, blocks_leaked=self.leaked, requests_left=self.busy,
+                    seconds=round(self.seconds, 1), ok=self.ok())
+
+    def table(self) -> str:
+        rows = [("requests sent", self.sent), ("completed token-exact", self.exact),
+                ("completed but different (must be 0)", self.different),
+                ("failed with a clear error", sum(self.failed.values()))]
+        rows += [(f"  {reason}", n) for reason, n in sorted(self.failed.items())]
+        rows += [("hung (must be 0)", self.hung), ("streams migrated", self.migrated),
+                 ("requests retried before their first token", self.retried)]
+        rows += [(f"kills: {name}", n) for name, n in sorted(self.kills.items())]
+        rows += [(f"blocks leaked on {w} (must be 0)", n) for w, n in sorted(self.leaked.items())]
+        rows += [(f"requests left on {w} (must be 0)", n) for w, n in sorted(self.busy.items())]
+        width = max(len(r[0]) for r in rows)
+        lines = [f"pdserve chaos: {self.seconds:.0f} s"]
+        lines += [f"  {k:<{width}}  {v}" for k, v in rows]
+        lines.append("  verdict: " + ("OK" if self.ok() else "FAILED"))
+        return "\n".join(lines)
+
+
+class Chaos:
+    def __init__(self, args) -> None:
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.model = resolve_model(args.model)
+        self.workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pdserve-chaos-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.token = secrets.token_urlsafe(32)
+        self.redis_password = secrets.token_urlsafe(24)
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("PDSERVE_API_KEY", "PDSERVE_CLUSTER_TOKEN", "PDSERVE_REDIS_PASSWORD")}
+        self.env = dict(env, PYTHONUNBUFFERED="1", PDSERVE_CLUSTER_TOKEN=self.token,
+                        PDSERVE_REDIS_PASSWORD=self.redis_password)
+        self.parts: dict[str, Part] = {}
+        self.report = Report()
+        self.lock = threading.Lock()
+        self.stop_load = threading.Event()
+        self.restarts: list[threading.Timer] = []
+        self._build()
+
+    # ------------------------------------------------------------------ the stack
+    def _build(self) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise SystemExit("redis-server is not installed (apt-get install redis-server)")
+        port = _free_port()
+        config = self.workdir / "redis.conf"
+        config.touch(mode=0o600)
+        config.write_text(f"requirepass {self.redis_password}\n", encoding="utf-8")
+        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        self._add("redis", [exe, str(config), "--port", str(port), "--bind", "127.0.0.1",
+                            "--save", "", "--appendonly", "no"], f"127.0.0.1:{port}",
+                  lambda: self._redis_up())
+        cli = [sys.executable, "-m", "pdserve.cli"]
+        common = ["--model", str(self.model), "--log-level", "WARNING"]
+        for role in ("prefill", "decode"):
+            for i in range(2):
+                wport = _free_port()
+                address = f"127.0.0.1:{wport}"
+                self._add(f"{role}-{i}", cli + [
+                    role, *common, "--port", str(wport), "--metrics-port", "0",
+                    "--worker-id", f"{role}-{i}", "--redis-url", self.redis_url,
+                    "--threads", "1", "--kv-cache-gib", str(self.args.kv_cache_gib)],
+                    address, lambda a=address: health.grpc_serving(a, 1.0))
+        http = _free_port()
+        self.base = f"http://127.0.0.1:{http}"
+        self._add("gateway", cli + ["gateway", *common, "--http-port", str(http), "--grpc-port",
+                                    str(_free_port()), "--redis-url", self.redis_url],
+                  f"127.0.0.1:{http}", lambda: self._gateway_sees(2, 2))
+
+    def _add(self, name, cmd, address, healthy) -> None:
+        self.parts[name] = Part(name, cmd, address, healthy, self.workdir / f"{name}.log")
+
+    def _redis_up(self) -> bool:
+        import redis
+
+        try:
+            with redis.Redis.from_url(self.redis_url, password=self.redis_password,
+                                      socket_timeout=1) as r:
+                return bool(r.ping())
+        except redis.RedisError:
+            return False
+
+    def _gateway_sees(self, prefills: int, decodes: int) -> bool:
+        workers = (health.http_json(self.base + "/health") or {}).get("workers", {})
+        return workers.get("prefill", 0) >= prefills and workers.get("decode", 0) >= decodes
+
+    def _wait(self, part: Part, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not part.healthy():
+            if not part.alive():
+                raise SystemExit(f"{part.name} exited with {part.proc.returncode}; see "
+                                 f"{part.log}")
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{part.name} not healthy after {timeout_s:.0f} s; see "
+                                 f"{part.log}")
+            time.sleep(0.3)
+
+    def start(self) -> None:
+        print(f"pdserve chaos: starting redis, 2 prefill and 2 decode workers and the gateway "
+              f"(logs in {self.workdir})", flush=True)
+        self.parts["redis"].start(self.env)
+        self._wait(self.parts["redis"], 20)
+        workers = [p for n, p in self.parts.items() if n not in ("redis", "gateway")]
+        for p in workers:
+            p.start(self.env)
+        for p in workers:
+            self._wait(p)
+        self.parts["gateway"].start(self.env)
+        self._wait(self.parts["gateway"])
+
+    def stop(self) -> None:
+        for p in reversed(list(self.parts.values())):
+            p.stop()
+
+    # ------------------------------------------------------------------ load
+    def specs(self) -> list[dict]:
+        out = []
+        for i, prompt in enumerate(PROMPTS):
+            out.append(dict(prompt=prompt, max_tokens=self.args.max_tokens, temperature=0.0))
+            out.append(dict(prompt=prompt, max_tokens=self.args.max_tokens, temperature=0.8,
+                            top_p=0.95, seed=1000 + i))
+        return out
+
+    def ask(self, spec: dict) -> tuple[str, str | None]:
+        """(text, None) on success, else ("", reason); "hung" when no answer came in time."""
+        import httpx
+
+        body = dict(spec, stream=True, ignore_eos=True)
+        text = []
+        try:
+            with httpx.stream("POST", self.base + "/v1/completions", json=body,
+                              timeout=httpx.Timeout(self.args.hang_timeout)) as r:
+                if r.status_code != 200:
+                    r.read()
+                    try:
+                        err = r.json()["error"]
+                        return "", f"{r.status_code} {err.get('code') or err.get('type')}"
+                    except (ValueError, KeyError, TypeError):
+                        return "", f"{r.status_code} (not an OpenAI error body)"
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        return "", f"stream error: {event['error'].get('code')}"
+                    text.append(event["choices"][0].get("text", ""))
+        except httpx.TimeoutException:
+            return "", "hung"
+        except httpx.HTTPError as exc:
+            return "", f"connection: {type(exc).__name__}"
+        return "".join(text), None
+
+    def references(self, specs: list[dict]) -> list[str]:
+        out = []
+        for spec in specs:
+            text, err = self.ask(spec)
+            if err is not None:
+                raise SystemExit(f"the reference run failed before any fault: {err}")
+            out.append(text)
+        return out
+
+    def _client(self, specs: list[dict], refs: list[str], budget: list[int]) -> None:
+        while not self.stop_load.is_set():
+            with self.lock:
+                if budget[0] == 0:
+                    return
+                budget[0] -= 1
+                self.report.sent += 1
+            i = self.rng.randrange(len(specs))
+            text, err = self.ask(specs[i])
+            with self.lock:
+                if err == "hung":
+                    self.report.hung += 1
+                    log.error("a request hung: %s", specs[i])
+                elif err is not None:
+                    self.report.failed[err] += 1
+                elif text == refs[i]:
+                    self.report.exact += 1
+                else:
+                    self.report.different += 1
+                    log.error("answer differs from the known one for %s:\n  got  %r\n  want %r",
+                              specs[i], text, refs[i])
+
+    # ------------------------------------------------------------------ faults
+    def _victims(self) -> list[str]:
+        """Healthy parts whose loss leaves a worker of each role (a process still loading the
+        model after its restart counts as down)."""
+        down = {n for n, p in self.parts.items() if n != "gateway" and not p.healthy()}
+        out = []
+        for name in ("prefill-0", "prefill-1", "decode-0", "decode-1"):
+            role = name.split("-")[0]
+            if name not in down and not any(d.startswith(role) for d in down):
+                out.append(name)
+        if self.args.redis_chaos and "redis" not in down:
+            out.append("redis")
+        return out
+
+    def _faults(self, until: float) -> None:
+        while not self.stop_load.wait(self.args.kill_interval * self.rng.uniform(0.5, 1.5)):
+            if time.monotonic() >= until:
+                return
+            victims = self._victims()
+            if not victims:
+                continue
+            name = self.rng.choice(victims)
+            part = self.parts[name]
+            print(f"  {time.strftime('%H:%M:%S')} kill -9 {name}", flush=True)
+            part.kill()
+            timer = threading.Timer(self.args.restart_delay, self._restart, (part,))
+            self.restarts.append(timer)
+            timer.start()
+
+    def _restart(self, part: Part) -> None:
+        print(f"  {time.strftime('%H:%M:%S')} restart {part.name}", flush=True)
+        part.start(self.env)
+
+    # ------------------------------------------------------------------ the end
+    def settle(self) -> None:
+        """Every part running and healthy again, the gateway seeing all four workers."""
+        for part in self.parts.values():
+            if not part.alive():
+                part.start(self.env)
+        for part in self.parts.values():
+            self._wait(part)
+        deadline = time.monotonic() + 60
+        while not self._gateway_sees(2, 2) and time.monotonic() < deadline:
+            time.sleep(0.5)
+
+    def leaks(self) -> None:
+        """Blocks still referenced and requests still running on each worker, after a settle."""
+        import grpc
+
+        from pdserve.cluster_auth import ClusterAuth
+        from proto import pdserve_pb2 as pb
+        from proto import pdserve_pb2_grpc as pb_grpc
+
+        metadata = ClusterAuth(self.token).metadata()
+        deadline = time.monotonic() + 30
+        while True:
+            leaked, busy = {}, {}
+            for name, part in self.parts.items():
+                if name in ("redis", "gateway"):
+                    continue
+                stub_cls = (pb_grpc.PrefillWorkerStub if name.startswith("prefill")
+                            else pb_grpc.DecodeWorkerStub)
+                with grpc.insecure_channel(part.address) as ch:
+                    st = stub_cls(ch).Stats(pb.StatsRequest(), timeout=10, metadata=metadata)
+                leaked[name] = st.total_blocks - st.free_blocks
+                busy[name] = st.running + st.waiting
+            if not any(leaked.values()) and not any(busy.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        self.report.leaked, self.report.busy = leaked, busy
+
+    def counters(self) -> None:
+        body = ""
+        try:
+            import httpx
+            body = httpx.get(self.base + "/metrics", timeout=10).text
+        except Exception:                    # noqa: BLE001 - the report says 0 then
+            pass
+
+        def total(name: str) -> int:
+            return int(sum(float(line.split()[-1]) for line in body.splitlines()
+                           if line.startswith(name + " ") or line.startswith(name + "{")))
+        self.report.migrated = total("pdserve_stream_migrations_total")
+        self.report.retried = total("pdserve_request_retries_total")
+
+    def run(self) -> Report:
+        t0 = time.monotonic()
+        self.start()
+        specs = self.specs()
+        refs = self.references(specs)
+        print(f"pdserve chaos: {len(specs)} known answers taken; load and faults for "
+              f"{self.args.duration:.0f} s", flush=True)
+        budget = [self.args.max_requests or -1]
+        clients = [threading.Thread(target=self._client, args=(specs, refs, budget))
+                   for _ in range(self.args.concurrency)]
+        for c in clients:
+            c.start()
+        until = time.monotonic() + self.args.duration
+        faults = threading.Thread(target=self._faults, args=(until,))
+        faults.start()
+        while time.monotonic() < until and any(c.is_alive() for c in clients):
+            time.sleep(0.5)
+        self.stop_load.set()
+        faults.join()
+        for c in clients:
+            c.join(self.args.hang_timeout + 30)
+        for timer in self.restarts:                    # pending restarts have run
+            timer.join()
+        self.settle()
+        self.leaks()
+        self.counters()
+        self.report.kills = {n: p.kills for n, p in self.parts.items() if p.kills}
+        self.report.seconds = time.monotonic() - t0
+        return self.report
+
+
+def main(args) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)     # not a line per request
+    chaos = Chaos(args)
+    try:
+        report = chaos.run()
+    finally:
+        chaos.stop()
+    print(report.table(), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report.as_dict(), indent=2) + "\n")
+    return 0 if report.ok() else 1

@@ -1,0 +1,50 @@
+"""`pdserve secrets --dir DIR`: make a deployment's secrets once (later runs keep them).
+
+    DIR/cluster-token     the deployment token (--cluster-token-file of every process)
+    DIR/redis-password    Redis's password (--redis-password-file of every process)
+    DIR/redis.conf        `requirepass` for redis-server (its first argument)
+
+Files are created 0600; with --redis-uid the Redis files are given to that user (the official
+Redis image runs as uid 999), so Redis can read them and nobody else but root. This is what
+docker-compose.yml's `secrets` service runs before anything else starts.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+
+def _write(path: Path, text: str, uid: int | None = None) -> bool:
+    """Create `path` 0600 with `text` unless it exists; True when it was made."""
+    if path.exists():
+        return False
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    if uid is not None and os.geteuid() == 0:
+        os.chown(path, uid, uid)
+    return True
+
+
+def make(directory: str | Path, redis_uid: int | None = None) -> list[str]:
+    """The secrets in `directory` (made where missing); the names of those made now."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    made = []
+    if _write(d / "cluster-token", secrets.token_urlsafe(32) + "\n"):
+        made.append("cluster-token")
+    if _write(d / "redis-password", secrets.token_urlsafe(24) + "\n", redis_uid):
+        made.append("redis-password")
+    password = (d / "redis-password").read_text(encoding="utf-8").strip()
+    if _write(d / "redis.conf", f"requirepass {password}\n", redis_uid):
+        made.append("redis.conf")
+    return made
+
+
+def main(args) -> int:
+    made = make(args.dir, args.redis_uid)
+    print(f"secrets in {args.dir}: " + (f"made {', '.join(made)}" if made else
+                                        "all present, kept"))
+    return 0

@@ -1,0 +1,269 @@
+"""Limits and admission: a worker's queue bound (RESOURCE_EXHAUSTED at once, 429 at the
+gateway), the gateway's bound on requests in flight (429 + Retry-After), a request's share of a
+worker's KV pool, token ids outside the vocabulary, a huge prompt tokenized off the event loop,
+and an engine thread that dies (every request fails at once, later ones are refused, the worker
+is told).
+
+Units on a tiny random-weight model; the rest through real worker and gateway processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+
+from engine.async_engine import AsyncEngine, EngineDead, Overloaded
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.request import Request, SamplingParams
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from tests.stack import standard_stack
+from tests.test_model_parity import make_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    make_model(d, "llama")
+    return d
+
+
+def _engine(model_dir, **kw) -> Engine:
+    cfg = dict(num_blocks=32, block_size=4, max_num_batched_tokens=32, max_num_seqs=4)
+    cfg.update(kw)
+    return Engine(model_dir, EngineConfig(**cfg))
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+# ---------------------------------------------------------------- engine checks
+def test_token_ids_outside_the_vocabulary_are_refused(tiny):
+    eng = _engine(tiny)
+    vocab = eng.model_cfg.vocab_size
+    for req in (Request("a", [1, vocab], GREEDY),
+                Request("b", [1, 2], SamplingParams(max_tokens=4, stop_token_ids=(vocab + 5,))),
+                Request("c", [1, 2], SamplingParams(max_tokens=4, logit_bias=((vocab, 1.0),)))):
+        with pytest.raises(ValueError, match="out of the vocabulary"):
+            eng.add_request(req)
+    assert not eng.has_work() and eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_one_request_may_take_only_its_share_of_the_pool(tiny):
+    eng = _engine(tiny, num_blocks=32, max_request_kv_share=0.25)      # 8 blocks of 4 tokens
+    eng.add_request(Request("fits", [1] * 10, SamplingParams(max_tokens=20)))   # 30 tokens: 8
+    with pytest.raises(ValueError, match="max-request-kv-share"):
+        eng.add_request(Request("long", [1] * 10, SamplingParams(max_tokens=40)))
+    with pytest.raises(ValueError, match="max-request-kv-share"):    # choices count each
+        eng.add_request(Request("wide", [1] * 10, SamplingParams(max_tokens=8, n=4)))
+
+
+# ---------------------------------------------------------------- AsyncEngine
+def test_a_full_queue_refuses_at_once(tiny):
+    async def run():
+        aengine = AsyncEngine(_engine(tiny, max_num_seqs=1, num_blocks=256), max_waiting=1)
+        aengine.start()
+        try:
+            long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+            q1 = await aengine.add(Request("r1", [1, 2, 3], long))
+            await q1.get()                                   # r1 runs
+            await aengine.add(Request("r2", [1, 2, 3], long))  # r2 waits
+            t0 = time.perf_counter()
+            with pytest.raises(Overloaded, match="max-waiting-requests 1"):
+                await aengine.add(Request("r3", [1, 2, 3], long))
+            refused_in = time.perf_counter() - t0
+            for rid in ("r1", "r2"):
+                await aengine.abort(rid)
+            await aengine.add(Request("r4", [1, 2, 3], GREEDY))  # room again
+            return refused_in
+        finally:
+            aengine.stop()
+
+    assert asyncio.run(run()) < 1.0
+
+
+def test_a_dead_engine_thread_fails_every_request_and_refuses_new_ones(tiny):
+    async def run():
+        died = asyncio.Event()
+        reasons = []
+        aengine = AsyncEngine(_engine(tiny, num_blocks=256),
+                              on_death=lambda r: (reasons.append(r), died.set()))
+        aengine.start()
+        long = SamplingParams(temperature=0.0, max_tokens=250, ignore_eos=True)
+        running = await aengine.add(Request("running", [1, 2, 3], long))
+        await running.get()
+
+        def broken():
+            raise RuntimeError("device lost")
+        aengine._cmds.put((broken, (), None))       # a command that breaks the engine thread
+        await asyncio.wait_for(died.wait(), 10)
+        errors = []
+        while True:
+            out = await asyncio.wait_for(running.get(), 10)
+            if out.error:
+                errors.append(out.error)
+                break
+        with pytest.raises(EngineDead, match="device lost"):
+            await aengine.add(Request("late", [1, 2, 3], GREEDY))
+        with pytest.raises(EngineDead):
+            await aengine.reserve(Request("late-reserve", [1, 2, 3], GREEDY))
+        aengine.stop()
+        return reasons, errors
+
+    reasons, errors = asyncio.run(run())
+    assert len(reasons) == 1 and "device lost" in reasons[0]
+    assert errors and "device lost" in errors[0]
+
+
+# ---------------------------------------------------------------- real processes
+@pytest.fixture(scope="module")
+def stack(model_dir, tmp_path_factory):
+    with standard_stack(model_dir, tmp_path_factory.mktemp("admission"),
+                        decode_args=("--max-num-seqs", "1", "--max-waiting-requests", "1",
+                                     "--num-blocks", "64", "--max-request-kv-share", "0.5"),
+                        gateway_args=("--max-in-flight", "2")) as s:
+        yield s
+
+
+def _decode(s):
+    return next(p for p in s.procs if p.name == "decode")
+
+
+def _idle(s) -> None:
+    """Wait until the decode worker has nothing running or waiting (aborts are asynchronous)."""
+    def idle():
+        with grpc.insecure_channel(_decode(s).address) as ch:
+            st = pb_grpc.DecodeWorkerStub(ch).Stats(pb.StatsRequest(), timeout=5)
+        return st.running == 0 and st.waiting == 0 and st.free_blocks == st.total_blocks
+    deadline = time.monotonic() + 30
+    while not idle():
+        assert time.monotonic() < deadline, "the decode worker did not become idle"
+        time.sleep(0.2)
+
+
+def _long_body(max_tokens: int = 400) -> dict:
+    return {"prompt": "Count: one, two, three,", "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+
+
+def test_a_full_decode_queue_is_resource_exhausted_with_retry_after(stack):
+    """Straight to the decode worker: one runs, one waits, the third is refused at once."""
+    async def run():
+        async with grpc.aio.insecure_channel(_decode(stack).address) as ch:
+            stub = pb_grpc.DecodeWorkerStub(ch)
+            params = pb.SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+            calls = [stub.Decode(pb.DecodeRequest(request_id=f"q{i}", prompt_token_ids=[1, 2, 3],
+                                                  params=params, local_prefill=True), timeout=60)
+                     for i in range(2)]
+            await calls[0].read()                          # q0 runs
+            await asyncio.sleep(0.5)                       # q1 waits
+            third = stub.Decode(pb.DecodeRequest(request_id="q2", prompt_token_ids=[1, 2, 3],
+                                                 params=params, local_prefill=True), timeout=60)
+            t0 = time.perf_counter()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await third.read()
+            took = time.perf_counter() - t0
+            trailers = dict(await third.trailing_metadata() or ())
+            for c in calls:
+                c.cancel()
+            return e.value, took, trailers
+
+    err, took, trailers = asyncio.run(run())
+    _idle(stack)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+    assert "max-waiting-requests 1" in err.details()
+    assert trailers.get("retry-after") == "1" and took < 5
+
+
+def test_out_of_vocabulary_prompts_are_invalid_on_the_worker(stack):
+    async def run():
+        async with grpc.aio.insecure_channel(_decode(stack).address) as ch:
+            call = pb_grpc.DecodeWorkerStub(ch).Decode(pb.DecodeRequest(
+                request_id="oov", prompt_token_ids=[1, 2 ** 31], local_prefill=True,
+                params=pb.SamplingParams(max_tokens=2)), timeout=30)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await call.read()
+            return e.value
+
+    err = asyncio.run(run())
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "vocabulary" in err.details()
+
+
+def test_a_request_over_its_kv_share_gets_a_400_naming_the_flag(stack):
+    # 64 blocks of 16 tokens, at most half for one request: 300 prompt + 400 output > 512
+    r = httpx.post(stack.procs[-1].http + "/v1/completions",
+                   json={"prompt": [1] * 300, "max_tokens": 400}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "max-request-kv-share" in r.json()["error"]["message"]
+
+
+def test_the_gateway_bound_answers_429_with_retry_after_and_recovers(stack):
+    """--max-in-flight 2: two streams hold the slots (one runs on the decode worker, one waits
+    there), a third is refused at once; once they end, requests are served again."""
+    base = stack.procs[-1].http
+    opened = threading.Barrier(3)
+    results = []
+
+    def stream():
+        with httpx.stream("POST", base + "/v1/completions", json=_long_body(),
+                          timeout=120) as r:
+            results.append(r.status_code)
+            lines = r.iter_lines()
+            next(lines)
+            opened.wait(60)
+            opened.wait(60)                           # hold the slot until the check is done
+
+    threads = [threading.Thread(target=stream) for _ in range(2)]
+    for t in threads:
+        t.start()
+    opened.wait(120)
+    try:
+        r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                       timeout=30)
+        metrics = httpx.get(base + "/metrics", timeout=10).text
+    finally:
+        opened.wait(60)
+        for t in threads:
+            t.join(120)
+    assert results == [200, 200]
+    assert r.status_code == 429, r.text
+    assert r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "overloaded"
+    assert r.json()["error"]["type"] == "rate_limit_error"
+    assert "pdserve_requests_overloaded_total 1.0" in metrics
+    _idle(stack)
+    ok = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2,
+                                                    "temperature": 0}, timeout=120)
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_huge_prompt_is_tokenized_off_the_event_loop(stack):
+    """While a prompt of ~4 MB is tokenized (seconds), /health still answers at once."""
+    base = stack.procs[-1].http
+    text = "the quick brown fox jumps over the lazy dog " * 90_000
+    done = {}
+
+    def big():
+        t0 = time.perf_counter()
+        r = httpx.post(base + "/v1/completions", json={"prompt": text, "max_tokens": 1},
+                       timeout=120)
+        done["status"], done["took"] = r.status_code, time.perf_counter() - t0
+
+    t = threading.Thread(target=big)
+    t.start()
+    latencies = []
+    while t.is_alive() and len(latencies) < 20:
+        t0 = time.perf_counter()
+        httpx.get(base + "/health", timeout=30)
+        latencies.append(time.perf_counter() - t0)
+        time.sleep(0.05)
+    t.join(120)
+    assert done["status"] == 400                         # far longer than the context
+    assert latencies, "the huge prompt was refused before /health could be asked"
+    assert max(latencies) < done["took"] / 2, (latencies, done)
