@@ -158,13 +158,17 @@ def test_a_full_decode_queue_is_resource_exhausted_with_retry_after(stack):
         async with grpc.aio.insecure_channel(_decode(stack).address) as ch:
             stub = pb_grpc.DecodeWorkerStub(ch)
             params = pb.SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
-            calls = [stub.Decode(pb.DecodeRequest(request_id=f"q{i}", prompt_token_ids=[1, 2, 3],
-                                                  params=params, local_prefill=True), timeout=60)
-                     for i in range(2)]
+            def decode(rid):
+                return stub.Decode(pb.DecodeRequest(request_id=rid, prompt_token_ids=[1, 2, 3],
+                                                    params=params, local_prefill=True), timeout=60)
+            calls = [decode("q0")]
             await calls[0].read()                          # q0 runs
-            await asyncio.sleep(0.5)                       # q1 waits
-            third = stub.Decode(pb.DecodeRequest(request_id="q2", prompt_token_ids=[1, 2, 3],
-                                                 params=params, local_prefill=True), timeout=60)
+            calls.append(decode("q1"))
+            for _ in range(300):                           # q1 waits
+                if (await stub.Stats(pb.StatsRequest(), timeout=10)).waiting >= 1:
+                    break
+                await asyncio.sleep(0.1)
+            third = decode("q2")
             t0 = time.perf_counter()
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await third.read()
@@ -207,28 +211,33 @@ def test_the_gateway_bound_answers_429_with_retry_after_and_recovers(stack):
     """--max-in-flight 2: two streams hold the slots (one runs on the decode worker, one waits
     there), a third is refused at once; once they end, requests are served again."""
     base = stack.procs[-1].http
-    opened = threading.Barrier(3)
+    release = threading.Event()
     results = []
 
     def stream():
-        with httpx.stream("POST", base + "/v1/completions", json=_long_body(),
+        with httpx.stream("POST", base + "/v1/completions", json=_long_body(480),
                           timeout=120) as r:
             results.append(r.status_code)
-            lines = r.iter_lines()
-            next(lines)
-            opened.wait(60)
-            opened.wait(60)                           # hold the slot until the check is done
+            release.wait(120)                         # hold the slot until the check is done
+
+    def in_flight() -> float:
+        text = httpx.get(base + "/metrics", timeout=10).text
+        return next(float(line.split()[-1]) for line in text.splitlines()
+                    if line.startswith("pdserve_requests_in_flight "))
 
     threads = [threading.Thread(target=stream) for _ in range(2)]
     for t in threads:
         t.start()
-    opened.wait(120)
     try:
+        deadline = time.monotonic() + 60
+        while (now := in_flight()) < 2:               # both admitted (one waits for the worker)
+            assert time.monotonic() < deadline, f"in flight: {now}, answers: {results}"
+            time.sleep(0.1)
         r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
                        timeout=30)
         metrics = httpx.get(base + "/metrics", timeout=10).text
     finally:
-        opened.wait(60)
+        release.set()
         for t in threads:
             t.join(120)
     assert results == [200, 200]
