@@ -9,95 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from typing import Awaitable, Callable
 
 import grpc
-import torch
 
 from engine.async_engine import AsyncEngine
-from engine.engine import KVLayout
-from engine.request import Request, RequestOutput, TokenLogprob
-from kvtransfer import TransferTarget, block_bytes, create_receiver
-from kvtransfer.staging import HostStaging
+from engine.request import Request, RequestOutput
+from kvtransfer import TransferTarget, create_receiver
+from kvtransfer.connector import EngineSink
 from kvtransfer.wire import logprob_to_pb, target_to_pb
-from pdserve.metrics import TransferMetrics, WorkerMetrics
+from pdserve.metrics import WorkerMetrics
 from pdserve.worker import (ADMISSION_ERRORS, Grammars, WorkerIdentity, output_error_code, refuse,
                             sampling_from_pb, serve, worker_stats)
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-
-
-class DecodeSink:
-    """Where received KV lands: this worker's pool, for blocks reserved by Decode streams.
-    Host data reaches a device pool through page-locked staging buffers (kvtransfer.staging).
-    `refused(request_id, message)`: what becomes of a request whose KV was rejected (the
-    servicer's --kv-load-failure policy)."""
-
-    def __init__(self, aengine: AsyncEngine, transfers: TransferMetrics,
-                 refused: Callable[[str, str], Awaitable[None]]) -> None:
-        self.aengine = aengine
-        self.layout: KVLayout = aengine.engine.layout
-        self.vocab_size = aengine.engine.model_cfg.vocab_size
-        self.transfers = transfers
-        self.refused = refused
-        self.staging = HostStaging(aengine.engine.kv.device)
-        self.reservations: dict[str, list[int]] = {}
-        self.since: dict[str, float] = {}
-
-    @property
-    def pool(self) -> torch.Tensor:
-        return self.aengine.engine.kv
-
-    def reserve(self, request_id: str, block_ids: list[int]) -> None:
-        self.reservations[request_id] = block_ids
-        self.since[request_id] = time.monotonic()
-
-    def drop(self, request_id: str) -> list[int] | None:
-        """End a reservation; the blocks that were still expected, or None."""
-        self.since.pop(request_id, None)
-        return self.reservations.pop(request_id, None)
-
-    def reserved_blocks(self, request_id: str) -> list[int] | None:
-        """The request's blocks a sender may write: never the shared, cached prefix blocks."""
-        return self.reservations.get(request_id)
-
-    def expecting(self) -> bool:
-        return bool(self.reservations)
-
-    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """On the device's current stream, so the engine's later steps see the blocks; returns
-        once the copies are queued (the staging buffer stays untouched until they are done)."""
-        self.staging.write_blocks(self.pool, block_ids, data)
-
-    async def write(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """write_blocks off the loop, the blocks pinned meanwhile: the pin is queued to the
-        engine before any abort of the request can be, and the unpin after the copy, so the
-        blocks cannot be freed and reused while the copy runs."""
-        self.aengine.pin(block_ids)
-        try:
-            await asyncio.to_thread(self.write_blocks, block_ids, data)
-        finally:
-            self.aengine.unpin(block_ids)
-
-    async def complete(self, request_id: str, first_token: int,
-                       first_logprob: TokenLogprob | None) -> None:
-        since = self.since.get(request_id)
-        blocks = self.drop(request_id)
-        if blocks is not None:
-            self.transfers.done(len(blocks), block_bytes(self.layout), time.monotonic() - since)
-            await self.aengine.remote_ready(request_id, first_token, first_logprob)
-
-    async def reject(self, request_id: str, message: str, kind: str) -> None:
-        """The request's KV is unusable (kvtransfer.integrity): counted, then `refused`."""
-        if self.drop(request_id) is None:
-            return
-        self.transfers.failed(kind)
-        if kind == "checksum":
-            self.transfers.checksum_failures.inc()
-        await self.refused(request_id, f"KV from the prefill worker refused: {message}")
 
 
 def _token_batches(outs: list[RequestOutput]) -> list[pb.TokenBatch]:
@@ -126,35 +52,35 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         self.aengine = aengine
         self.ident = ident
         self.transfers = metrics.transfers(transport)
-        self.sink = DecodeSink(aengine, self.transfers, self._give_up)
+        self.sink = EngineSink(aengine, self.transfers, self._give_up)
         self.receiver = create_receiver(transport, self.sink, address=ident.address,
                                         checksum=checksum)
+        connector = aengine.engine.connector         # set before any request reserves
+        connector.one_sided = self.receiver.one_sided
+        connector.lease_s = self.receiver.lease_s
+        connector.load_timeout_s = timeout_s
+        aengine.on_load_timeout = self._timed_out
         self.timeout_s = timeout_s
         self.on_timeout = on_timeout
         self.grammars = Grammars(aengine.engine)
         # requests ended from outside, and the status their Decode stream ends with: ABORTED
         # for a failed KV transfer (the gateway runs it again), CANCELLED for an Abort call
         self._ended: dict[str, grpc.StatusCode] = {}
-        self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+        self._pending: set[asyncio.Task] = set()
 
-    async def _watch(self) -> None:
-        """Reservations whose KV has not arrived in time: fail them or compute them here."""
-        while True:
-            await asyncio.sleep(min(0.5, self.timeout_s / 4))
-            now = time.monotonic()
-            for rid in [r for r, t in self.sink.since.items() if now - t > self.timeout_s]:
-                if rid not in self.sink.since:       # ended while an earlier one was handled
-                    continue
-                blocks = self.sink.drop(rid)
-                self.transfers.failed("timeout")
-                self._keep_aside(rid, blocks)
-                await self._give_up(rid, f"KV transfer from the prefill worker did not complete "
-                                         f"within {self.timeout_s:g} s")
+    def _timed_out(self, rid: str) -> None:
+        """The engine ended a reservation whose KV did not arrive in time (its blocks kept
+        aside from a one-sided sender): fail it or compute it here."""
+        self.transfers.failed("timeout")
+        task = asyncio.ensure_future(self._give_up(
+            rid, f"KV transfer from the prefill worker did not complete within "
+                 f"{self.timeout_s:g} s"))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
 
     async def _give_up(self, rid: str, why: str) -> None:
-        """The request's KV will not arrive, or arrived unusable (the sink's rejections, which
-        come once the sender has stopped writing: nothing to keep aside): compute its prompt
-        here or fail it, as --kv-load-failure says."""
+        """The request's KV will not arrive, or arrived unusable (its load has ended): compute
+        its prompt here or fail it, as --kv-load-failure says."""
         if self.on_timeout == "recompute":
             log.warning("request %s: %s; computing the prompt here", rid, why)
             await self.aengine.compute_locally(rid)
@@ -162,13 +88,6 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             log.warning("request %s: %s", rid, why)
             self._ended[rid] = grpc.StatusCode.ABORTED
             self.aengine.fail(rid, why)
-
-    def _keep_aside(self, rid: str, blocks: list[int] | None) -> None:
-        """A one-sided sender may still write into these blocks: keep them out of use until it
-        is done (the receiver releases them)."""
-        if blocks and self.receiver.one_sided:
-            self.aengine.pin(blocks)
-            self.receiver.quarantine(rid, blocks, self.aengine.unpin)
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
@@ -197,7 +116,6 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                 except ADMISSION_ERRORS as exc:
                     await refuse(context, exc)
                 cached = req.num_cached_blocks        # set by the engine thread on reserve
-                self.sink.reserve(rid, blocks[cached:])
                 target = TransferTarget(self.receiver.name, self.receiver.address(),
                                         self.ident.id, self.sink.layout, tuple(blocks), cached,
                                         self.receiver.metadata())
@@ -218,8 +136,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                     yield pb.DecodeEvent(tokens=batch)
         finally:
             self._ended.pop(rid, None)
-            self._keep_aside(rid, self.sink.drop(rid))
-            if not finished:
+            if not finished:        # the engine ends the load (one-sided: blocks kept aside)
                 self.aengine.abort_nowait(rid)
             self.aengine.close_stream(rid)
 
@@ -231,7 +148,6 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             self.aengine.abort_choice(request.request_id, request.choice)
             return pb.AbortReply(found=True)
         rid = request.request_id
-        self._keep_aside(rid, self.sink.drop(rid))
         self._ended.setdefault(rid, grpc.StatusCode.CANCELLED)
         found = await self.aengine.cancel(rid, "the request was aborted (an Abort call)")
         if not found:
@@ -242,7 +158,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         return worker_stats(self.aengine)
 
     async def close(self) -> None:
-        self._watchdog.cancel()
+        for task in list(self._pending):
+            task.cancel()
         await self.receiver.close()
 
 

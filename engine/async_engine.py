@@ -3,7 +3,9 @@
 Contract: every public method is called from the loop's thread. The engine thread is the only
 one that touches the Engine; callers talk to it through a command queue, and outputs come back
 through per-request asyncio queues. Forward passes release the GIL, so the loop keeps serving
-RPCs while a step runs.
+RPCs while a step runs. The KV pool is touched only there too: transports' copies into it run
+as commands (`run`), checked against the KV connector (engine.kv_connector), which holds every
+block reference a transfer needs.
 
 Admission: with `max_waiting`, a request that would find that many waiting already is refused
 at once (Overloaded) instead of queueing without bound. If the engine thread dies, every
@@ -44,6 +46,9 @@ class AsyncEngine:
         self.on_step = on_step
         self.max_waiting = max_waiting
         self.on_death = on_death
+        # decode role: on_load_timeout(request_id) runs on the loop for each reservation whose
+        # KV did not arrive in time (its load has ended, its request waits for the decision)
+        self.on_load_timeout: Callable[[str], None] | None = None
         self.dead: str | None = None                  # why the engine thread died
         self._admitted = 0         # admission commands queued (loop thread writes)
         self._taken = 0            # ... and taken by the engine thread (engine thread writes)
@@ -96,31 +101,33 @@ class AsyncEngine:
         return q
 
     def close_stream(self, request_id: str) -> None:
-        """Stop delivering the request's outputs; blocks pinned for transfer by outputs not yet
-        read are given back."""
+        """Stop delivering the request's outputs."""
         q = self._streams.pop(request_id, None)
         self._open_choices.pop(request_id, None)
         if q is not None:
             self.drain(q)
 
     def drain(self, q: asyncio.Queue) -> None:
-        """Discard a request's unread outputs, giving back the blocks they pin for transfer."""
+        """Discard a request's unread outputs (the blocks they name for transfer are the
+        connector's until save_done: nothing to give back here)."""
         while not q.empty():
-            self._unpin_unread(q.get_nowait())
+            q.get_nowait()
 
-    def pin(self, block_ids: list[int]) -> None:
-        """Take an extra reference on blocks (given back with unpin), without waiting."""
-        if block_ids:
-            self._cmds.put((self.engine.pin, (list(block_ids),), None))
+    def run(self, fn: Callable, *args) -> asyncio.Future:
+        """fn(*args) on the engine thread, between steps, queued now (in order with every other
+        command); await the result. For the KV connector's worker side (kvtransfer.connector)
+        and the senders' reads: what touches the pool runs here."""
+        return self._call(fn, *args)
 
-    def unpin(self, block_ids: list[int]) -> None:
-        """Give back transfer references (RequestOutput.kv_blocks), without waiting."""
-        if block_ids:
-            self._cmds.put((self.engine.unpin, (list(block_ids),), None))
+    def run_nowait(self, fn: Callable, *args) -> None:
+        """fn(*args) on the engine thread, without waiting (its result is dropped)."""
+        if self.dead is None:
+            self._cmds.put((fn, args, None))
 
-    def _unpin_unread(self, out: RequestOutput) -> None:
-        if out.kv_blocks:
-            self.unpin(out.kv_blocks)
+    def save_done(self, request_id: str) -> None:
+        """Prefill role: the request's KV transfer has ended (sent, failed or cancelled); the
+        connector's references for it go back. Without waiting: safe in `finally` blocks."""
+        self.run_nowait(self.engine.save_done, request_id)
 
     async def add(self, req: Request) -> asyncio.Queue:
         """Queue a request for computation; its outputs arrive on the returned queue."""
@@ -154,7 +161,7 @@ class AsyncEngine:
 
     async def remote_ready(self, request_id: str, first_token: int,
                            logprob: TokenLogprob | None) -> None:
-        await self._call(self._remote_ready, request_id, first_token, logprob)
+        await self._call(self.remote_ready_now, request_id, first_token, logprob)
 
     async def compute_locally(self, request_id: str) -> bool:
         """Decode role: compute a reserved request's prompt here (its KV will not arrive)."""
@@ -195,9 +202,6 @@ class AsyncEngine:
         self.close_stream(request_id)
         self._cmds.put((self._abort, (request_id,), None))
 
-    async def release(self, request_id: str) -> None:
-        await self._call(self.engine.release, request_id)
-
     async def block_table(self, request_id: str) -> list[int]:
         return await self._call(self.engine.block_table, request_id)
 
@@ -237,7 +241,9 @@ class AsyncEngine:
             self._pending_reserve.popleft()
             self._resolve(req, fut, blocks)
 
-    def _remote_ready(self, request_id, first_token, logprob) -> None:
+    def remote_ready_now(self, request_id: str, first_token: int,
+                         logprob: TokenLogprob | None) -> None:
+        """Engine thread: the request's KV is in; it joins the batch, its first token out."""
         out = self.engine.remote_ready(request_id, first_token, logprob)
         if out is not None:
             self._emit([out])
@@ -253,8 +259,7 @@ class AsyncEngine:
             for o in outputs:
                 sid = o.stream_id
                 q = self._streams.get(sid)
-                if q is None:
-                    self._unpin_unread(o)          # nobody will send these blocks
+                if q is None:           # closed: its KV references are the connector's
                     continue
                 q.put_nowait(o)
                 if o.finished:
@@ -338,6 +343,7 @@ class AsyncEngine:
             if self._stop.is_set():
                 break
             self._retry_reservations()
+            self._expire_loads()
             if not self.engine.has_work():
                 continue
             try:
@@ -349,6 +355,14 @@ class AsyncEngine:
                 outputs = self._fail_all(f"engine step failed: {exc}")
             if outputs:
                 self._emit(outputs)
+
+    def _expire_loads(self) -> None:
+        """Reservations whose KV did not arrive in time end (engine.kv_connector.expire); the
+        loop decides what becomes of each (on_load_timeout: fail it, or compute it here)."""
+        late = self.engine.connector.expire()
+        if late and self.on_load_timeout is not None:
+            for rid in late:
+                self._loop.call_soon_threadsafe(self.on_load_timeout, rid)
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
         s = self.engine.scheduler

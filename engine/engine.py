@@ -187,16 +187,14 @@ class Engine:
             self.proposer.release(request_id)
             self.spec.release(request_id)
 
-    def release(self, request_id: str) -> None:
-        self.scheduler.release(request_id)
+    @property
+    def connector(self):
+        """engine.kv_connector.KVConnector: every block reference a KV transfer holds."""
+        return self.scheduler.connector
 
-    def pin(self, block_ids: list[int]) -> None:
-        """An extra reference on blocks in use, for a transfer that may still touch them."""
-        self.pool.take(block_ids)
-
-    def unpin(self, block_ids: list[int]) -> None:
-        """Give back a transfer reference (pin, or RequestOutput.kv_blocks)."""
-        self.pool.free(block_ids)
+    def save_done(self, request_id: str) -> None:
+        """Prefill role: the request's KV transfer has ended; its blocks go back."""
+        self.scheduler.save_done(request_id)
 
     def block_table(self, request_id: str) -> list[int]:
         return list(self.kv_manager.block_table(request_id))

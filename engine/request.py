@@ -213,8 +213,8 @@ class RequestOutput:
     finish_reason: str | None = None      # "stop" (EOS), "length", "prefilled", "abort", "error"
     error: str | None = None
     # Prefill role: blocks whose KV became final this step, in prompt order (once finished: all
-    # the rest, the partial last block too). Each carries one extra reference for the transfer,
-    # which the receiver of this output gives back (Engine.unpin) once the blocks are sent.
+    # the rest, the partial last block too). The connector holds a reference on each for the
+    # transfer until Engine.save_done(request_id) (engine.kv_connector).
     kv_blocks: list[int] | None = None
     # With kv_blocks on a GPU: an event (torch.cuda.Event: query(), synchronize()) recorded after
     # the step that wrote them; their KV is final once it has completed on the device. None when

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from engine.block_pool import KVCacheManager
 from engine.config import EngineConfig
+from engine.kv_connector import KVConnector
 from engine.request import Request, RequestOutput, Status, TokenLogprob, choice_seed
 
 
@@ -58,7 +59,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.remote: dict[str, Request] = {}     # decode: waiting for KV from a prefill worker
-        self.held: dict[str, Request] = {}       # prefill: finished, blocks kept until released
+        # every block reference a KV transfer holds (loads, saves, held tables, quarantine)
+        self.connector = KVConnector(kv, cfg.role)
         self._arrivals = 0
         self.pending_copies: list[tuple[int, int]] = []   # (src, dst) blocks of forked choices
 
@@ -80,6 +82,7 @@ class Scheduler:
         req.arrival, self._arrivals = self._arrivals, self._arrivals + 1
         req.status = Status.WAITING_FOR_REMOTE_KV
         self.remote[req.request_id] = req
+        self.connector.start_load(req)
         return list(self.kv.block_table(req.request_id))
 
     def remote_ready(self, request_id: str, first_token: int,
@@ -89,6 +92,7 @@ class Scheduler:
         req = self.remote.pop(request_id, None)
         if req is None:
             return None                          # aborted meanwhile
+        self.connector.end_load(request_id, sender_stopped=True)
         req.num_computed_tokens = req.num_tokens
         self.kv.cache_computed_blocks(req)
         if not req.append_token(first_token, logprob):
@@ -107,12 +111,15 @@ class Scheduler:
         return out
 
     def compute_locally(self, request_id: str) -> bool:
-        """Decode role: the KV of a reserved request will not arrive; compute the prompt here
-        (beyond the prefix this worker had cached) in the blocks already reserved."""
+        """Decode role: the KV of a reserved request will not arrive; compute the prompt here.
+        It starts afresh in new blocks (its prefix cache hits found again): the reserved ones
+        may still be written by a one-sided sender, which the connector keeps them aside for."""
         req = self.remote.pop(request_id, None)
         if req is None:
             return False
-        req.num_computed_tokens = req.num_cached_tokens
+        self.connector.end_load(request_id, sender_stopped=False)
+        self.kv.free(request_id)
+        req.num_computed_tokens = req.num_cached_blocks = req.num_cached_tokens = 0
         req.status = Status.WAITING
         self.waiting.append(req)
         return True
@@ -120,9 +127,11 @@ class Scheduler:
     def abort(self, request_id: str, group: bool = True) -> bool:
         """Abort a request, with (group) the choices forked from it."""
         found = False
-        for coll in (self.remote, self.held):
-            if coll.pop(request_id, None) is not None:
-                found = True
+        if self.remote.pop(request_id, None) is not None:
+            self.connector.end_load(request_id, sender_stopped=False)
+            found = True
+        if self.connector.unhold(request_id):
+            found = True
 
         def hit(r: Request) -> bool:
             return r.request_id == request_id or (group and r.group == request_id)
@@ -161,10 +170,10 @@ class Scheduler:
                 child.num_cached_blocks = min(parent.num_cached_blocks, shared)
             self.add(child)
 
-    def release(self, request_id: str) -> None:
-        """Prefill role: the KV of a finished request has been sent; free its blocks."""
-        self.held.pop(request_id, None)
-        self.kv.free(request_id)
+    def save_done(self, request_id: str) -> None:
+        """Prefill role: the request's KV transfer has ended (sent or given up): the blocks it
+        held for it go back (engine.kv_connector)."""
+        self.connector.save_done(request_id)
 
     # ------------------------------------------------------------------ scheduling
     def has_work(self) -> bool:
@@ -286,7 +295,7 @@ class Scheduler:
                 req.num_computed_tokens += s.num_new_tokens
                 self.kv.cache_computed_blocks(req)
                 if self.cfg.role == "prefill":
-                    ready = self._blocks_for_transfer(req, final=False)
+                    ready = self.connector.blocks_final(req, final=False)
                     if ready:
                         outputs.append(RequestOutput(req.request_id, [], [], kv_blocks=ready))
                 continue
@@ -308,24 +317,12 @@ class Scheduler:
             if req.finished:
                 self.running.remove(req)
                 if self.cfg.role == "prefill":
-                    self.held[req.request_id] = req
-                    out.kv_blocks = self._blocks_for_transfer(req, final=True)
+                    self.connector.hold(req)          # the table stays until save_done
+                    out.kv_blocks = self.connector.blocks_final(req, final=True)
                 else:
                     self.kv.free(req.request_id)
             outputs.append(out)
         return outputs
-
-    def _blocks_for_transfer(self, req: Request, final: bool) -> list[int]:
-        """Prefill role: the request's blocks that became final since the last call (all the
-        rest when `final`), each with an extra reference held for the transfer. Streaming
-        survives preemption: blocks already handed out are not handed out again."""
-        table = self.kv.block_table(req.request_id)
-        n = len(table) if final else min(req.num_computed_tokens // self.kv.block_size,
-                                         len(table))
-        ready = table[req.num_blocks_streamed:n]
-        self.kv.pool.take(ready)
-        req.num_blocks_streamed = max(req.num_blocks_streamed, n)
-        return ready
 
     def _append(self, req: Request, toks: list[int], lps: list) -> RequestOutput:
         """Append tokens until one finishes the request (EOS, max_tokens, model length); the

@@ -18,9 +18,10 @@ computes on (the device's default stream) is ordered behind that step and may ig
 reads them outside that stream (a one-sided WRITE) must not start before `ready.query()` is True,
 and waits for it without blocking the event loop (`poll_until`) and without a device-wide sync.
 
-Receiver side (decode): a KVReceiver lands arriving blocks through a `KVSink`, which the decode
-service implements: it knows which blocks each request reserved, writes into its pool, and is told
-when a request's transfer is complete, or that it is unusable (`reject`). Receivers trust nothing
+Receiver side (decode): a KVReceiver lands arriving blocks through a `KVSink`, the worker side of
+the decode engine's KV connector (kvtransfer.connector): it knows which blocks each request
+reserved, writes into its pool on the engine thread, and is told when a request's transfer is
+complete, or that it is unusable (`reject`). Receivers trust nothing
 they receive: kvtransfer.integrity.Intake holds every piece to the request's reservation, the
 layout's sizes and the sender's checksums before a request may run.
 
@@ -35,7 +36,7 @@ import asyncio
 import importlib
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Protocol
+from typing import Awaitable, Callable, Protocol
 
 import torch
 
@@ -98,31 +99,38 @@ class TransferTarget:
 
 
 class KVSink(Protocol):
-    """Implemented by the decode service; called by receivers on the decode worker's loop."""
+    """Where received KV lands (the worker side of the KV connector: kvtransfer.connector for a
+    decode engine, kvtransfer.loopback's MemorySink without one); called by receivers on the
+    decode worker's loop. Receivers never write the pool themselves: they hand the sink what
+    they received, and the sink copies it in only while the blocks are the request's."""
 
     layout: KVLayout
     vocab_size: int               # first tokens outside [0, vocab_size) are refused
 
     def reserved_blocks(self, request_id: str) -> list[int] | None:
-        """Blocks reserved for the request, or None if it is not (or no longer) expected."""
+        """Blocks a sender may write for the request, or None if it is not (or no longer)
+        expected."""
 
     def expecting(self) -> bool:
-        """Whether some request is waiting for its KV now."""
+        """Whether some request is waiting for its KV (or blocks are kept aside) now."""
 
-    async def write(self, block_ids: list[int], data: torch.Tensor) -> None:
+    async def write(self, request_id: str, block_ids: list[int], data: torch.Tensor) -> None:
         """data: [num_layers, 2, len(block_ids), block_size, kv_heads, head_dim], on the host
-        (built from message bytes) or on the pool's device (an NCCL receive). The copy runs
-        off the event loop and may return once it is queued on the device's current stream;
-        the blocks stay held until then, so a request aborted meanwhile cannot hand them to
-        another request while they are being written."""
+        (built from message bytes) or on the pool's device (an NCCL receive). Copied into the
+        pool if the blocks are still the request's to receive; may return once the copy is
+        queued (the request's completion is ordered behind it). `data` is not reused by the
+        caller afterwards."""
 
     @property
     def pool(self) -> torch.Tensor:
-        """The KV pool itself, for transports that write into it directly."""
+        """The KV pool, for a one-sided receiver's registration (its senders write it)."""
 
     async def complete(self, request_id: str, first_token: int,
-                       first_logprob: TokenLogprob | None) -> None:
-        """All blocks written; the request may start decoding."""
+                       first_logprob: TokenLogprob | None, block_ids: list[int],
+                       claimed: list[int] | None) -> str | None:
+        """All blocks written (`block_ids`, with the sender's checksums `claimed`; None: not
+        checked): check them on the pool and let the request start decoding. None when done
+        (or the request is gone), else why the KV is refused (then `reject` it)."""
 
     async def reject(self, request_id: str, message: str, kind: str) -> None:
         """The request's KV is unusable (kind "invalid": a transfer that broke a rule;
@@ -130,6 +138,10 @@ class KVSink(Protocol):
         with `message` or computes its prompt itself. Called once the sender has stopped writing
         the request's blocks (two-sided transports write only through the sink; a one-sided one
         rejects at the completion notice, which follows its last write)."""
+
+    def sender_done(self, request_id: str) -> None:
+        """A one-sided sender says it has stopped writing the request's blocks (completion or
+        abort notice): blocks kept aside for it may be reused."""
 
 
 class KVSendStream(abc.ABC):
@@ -153,8 +165,17 @@ class KVSendStream(abc.ABC):
         pass
 
 
+async def _in_thread(fn: Callable, *args):
+    return await asyncio.to_thread(fn, *args)
+
+
 class KVSender(abc.ABC):
     name: str
+    # How a sender reads the pool (gathers, checksums): `await run_on_pool(fn, *args)` runs
+    # fn(*args) on the thread that owns the pool. The prefill service passes its engine's
+    # (AsyncEngine.run: between steps, and before the connector's references can go back);
+    # without an engine (benchmarks, tests), a worker thread.
+    run_on_pool: Callable[..., Awaitable] = staticmethod(_in_thread)
 
     @abc.abstractmethod
     def open(self, request_id: str, kv: torch.Tensor, target: TransferTarget) -> KVSendStream:
@@ -183,11 +204,10 @@ class KVSender(abc.ABC):
 class KVReceiver(abc.ABC):
     name: str
     # One-sided transports write into the pool without the receiver's involvement: blocks of a
-    # request aborted mid-transfer must stay out of use until the sender is done (quarantine).
+    # request aborted mid-transfer must stay out of use until the sender is done, at most
+    # lease_s (the connector keeps them aside; KVSink.sender_done ends that).
     one_sided = False
-
-    def quarantine(self, request_id: str, block_ids: list[int], release) -> None:
-        release(block_ids)
+    lease_s = 60.0
 
     @abc.abstractmethod
     def address(self) -> str:
@@ -227,8 +247,12 @@ def _load(name: str, which: int):
     return getattr(importlib.import_module(module), classes[which])
 
 
-def create_sender(name: str, layout: KVLayout, **kw) -> KVSender:
-    return _load(name, 0)(layout=layout, **kw)
+def create_sender(name: str, layout: KVLayout, run_on_pool: Callable | None = None,
+                  **kw) -> KVSender:
+    sender = _load(name, 0)(layout=layout, **kw)
+    if run_on_pool is not None:
+        sender.run_on_pool = run_on_pool
+    return sender
 
 
 def create_receiver(name: str, sink: KVSink, **kw) -> KVReceiver:

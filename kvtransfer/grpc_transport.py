@@ -54,6 +54,7 @@ class _GrpcSendStream(KVSendStream):
         self.step = sender.blocks_per_message
         self.staging = sender.staging(kv.device)
         self.digest = checksums if sender.checksum else None
+        self.run_on_pool = sender.run_on_pool
         self.sender_layout = sender.layout
         self.layout = layout_to_pb(sender.layout)
         self._out: asyncio.Queue = asyncio.Queue()
@@ -79,16 +80,19 @@ class _GrpcSendStream(KVSendStream):
 
     async def send(self, src_blocks: list[int], dst_blocks: list[int],
                    ready: object | None = None) -> None:
-        """Queues the blocks' bytes, copied to the host off the loop thread. `ready` is not
-        waited for: the copy is ordered behind the step on the engine's stream."""
+        """Queues the blocks' bytes, copied to the host on the pool's thread (run_on_pool).
+        `ready` is not waited for: the copy is ordered behind the step on the engine's
+        stream."""
         self._failed()
-        for i in range(0, len(src_blocks), self.step):
-            src = src_blocks[i:i + self.step]
-            data, sums = await asyncio.to_thread(self.staging.blocks_and_digest, self.kv, src,
-                                                 self.digest)
+        pieces = [list(src_blocks[i:i + self.step]) for i in range(0, len(src_blocks), self.step)]
+        gathered = await self.run_on_pool(self._gather, pieces)     # one engine command
+        for i, (data, sums) in zip(range(0, len(src_blocks), self.step), gathered):
             self._out.put_nowait(pb.KVChunk(request_id=self.request_id, layout=self.layout,
                                             block_ids=dst_blocks[i:i + self.step], data=data,
                                             checksums=sums))
+
+    def _gather(self, pieces: list[list[int]]) -> list[tuple[bytes, list[int]]]:
+        return [self.staging.blocks_and_digest(self.kv, src, self.digest) for src in pieces]
 
     async def finish(self, first_token: int, first_logprob: TokenLogprob | None,
                      src_blocks: list[int] = (), dst_blocks: list[int] = (),
@@ -180,16 +184,14 @@ class GrpcKVReceiver(KVReceiver):
                                         chunk.checksums)
                 if ids:
                     data = tensor_from_bytes(chunk.data, self.sink.layout, len(ids))
-                    await self.sink.write(ids, data)
+                    await self.sink.write(chunk.request_id, ids, data)
                     received += len(ids)
                 if chunk.last:
-                    await self.intake.finish(chunk.request_id, chunk.first_token_id)
+                    await self.intake.complete(chunk.request_id, chunk.first_token_id,
+                                               first_logprob_of(chunk))
             except Refused as exc:
                 await self.intake.reject(exc)
                 await context.abort(_STATUS[exc.kind], str(exc))
-            if chunk.last:
-                await self.sink.complete(chunk.request_id, chunk.first_token_id,
-                                         first_logprob_of(chunk))
         return pb.PushKVReply(blocks_received=received)
 
 

@@ -32,7 +32,6 @@ sender that sends none; one that does not (--kv-checksum off) ignores those it i
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
@@ -135,10 +134,9 @@ class Intake:
 
     checksums: require and verify them (--kv-checksum on)."""
 
-    def __init__(self, sink: KVSink, checksums: bool = True, timeout_s: float = 30.0) -> None:
+    def __init__(self, sink: KVSink, checksums: bool = True) -> None:
         self.sink = sink
         self.checksums = checksums
-        self.timeout_s = timeout_s
         self.block_bytes = block_bytes(sink.layout)
         self._transfers: dict[str, _Transfer] = {}
 
@@ -189,10 +187,11 @@ class Intake:
             t.claimed += claimed
         return ids
 
-    async def finish(self, request_id: str, first_token: int) -> None:
-        """Accept the completion, or raise Refused: every reserved block must have arrived, the
-        first token must be in the vocabulary, and (checksums on) the pool's blocks must match
-        the sender's checksums. The transfer is forgotten either way."""
+    async def complete(self, request_id: str, first_token: int, first_logprob) -> None:
+        """Accept the completion, or raise Refused: every reserved block must have arrived and
+        the first token must be in the vocabulary; then the sink checks the pool's blocks
+        against the sender's checksums (checksums on) and lets the request run, or refuses.
+        The transfer is forgotten either way."""
         t = self._transfer(request_id)
         missing = sorted(set(t.reserved) - set(t.arrived))
         if missing:
@@ -202,15 +201,11 @@ class Intake:
         if not 0 <= first_token < self.sink.vocab_size:
             self._refuse(request_id, "invalid", f"first token {first_token} is outside the "
                                                 f"vocabulary ({self.sink.vocab_size} tokens)")
-        if self.checksums:
-            sums = await asyncio.to_thread(block_checksums, self.sink.pool, t.arrived)
-            got = await host_values(sums, self.timeout_s)
-            bad = [b for b, want, have in zip(t.arrived, t.claimed, got) if want != have]
-            if bad:
-                self._refuse(request_id, "checksum",
-                             f"KV checksum mismatch in {len(bad)} of {len(t.arrived)} blocks "
-                             f"(e.g. block {bad[0]}): the KV was corrupted in transfer")
-        self._transfers.pop(request_id, None)    # pruned meanwhile if its reservation ended
+        self._transfers.pop(request_id, None)
+        why = await self.sink.complete(request_id, first_token, first_logprob, t.arrived,
+                                       t.claimed if self.checksums else None)
+        if why is not None:
+            raise Refused(request_id, "checksum", why)
 
     def _refuse(self, request_id: str, kind: str, message: str):
         self._transfers.pop(request_id, None)

@@ -14,6 +14,7 @@ from engine.config import DTYPES
 from engine.engine import KVLayout
 from engine.request import TokenLogprob
 from kvtransfer.base import KVReceiver, create_receiver
+from kvtransfer.connector import mismatch
 from kvtransfer.staging import HostStaging
 from pdserve import cluster_auth
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -22,7 +23,8 @@ from proto import pdserve_pb2_grpc as pb_grpc
 class MemorySink:
     """Reservations and a pool of `num_blocks` blocks on `device`; `completed` records first
     tokens, `rejected` the receivers' refusals (kvtransfer.integrity). Writes go through
-    HostStaging, as the decode service's do. vocab_size: as large as any model's by default."""
+    HostStaging and checksums are checked as the decode engine's sink does
+    (kvtransfer.connector), off the loop (there is no engine thread here). vocab_size: as large as any model's by default."""
 
     def __init__(self, layout: KVLayout, num_blocks: int,
                  device: torch.device | str = "cpu", vocab_size: int = 1 << 18) -> None:
@@ -36,6 +38,7 @@ class MemorySink:
         self.completed: dict[str, tuple[int, TokenLogprob | None]] = {}
         self.completed_at: dict[str, float] = {}     # time.monotonic(), comparable across processes
         self.rejected: dict[str, tuple[str, str]] = {}    # request id -> (kind, message)
+        self.senders_done: list[str] = []     # one-sided senders' "no more writes" notices
         self.done = asyncio.Event()
 
     @property
@@ -51,15 +54,25 @@ class MemorySink:
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         self.staging.write_blocks(self.kv, block_ids, data)
 
-    async def write(self, block_ids: list[int], data: torch.Tensor) -> None:
-        await asyncio.to_thread(self.write_blocks, block_ids, data)
+    async def write(self, request_id: str, block_ids: list[int], data: torch.Tensor) -> None:
+        if request_id in self.reservations:
+            await asyncio.to_thread(self.write_blocks, block_ids, data)
 
     async def complete(self, request_id: str, first_token: int,
-                       first_logprob: TokenLogprob | None) -> None:
+                       first_logprob: TokenLogprob | None, block_ids: list[int],
+                       claimed: list[int] | None) -> str | None:
+        if claimed is not None:
+            why = await asyncio.to_thread(mismatch, self.kv, block_ids, claimed)
+            if why is not None:
+                return why
         self.reservations.pop(request_id)
         self.completed[request_id] = (first_token, first_logprob)
         self.completed_at[request_id] = time.monotonic()
         self.done.set()
+        return None
+
+    def sender_done(self, request_id: str) -> None:
+        self.senders_done.append(request_id)
 
     async def reject(self, request_id: str, message: str, kind: str) -> None:
         if self.reservations.pop(request_id, None) is not None:

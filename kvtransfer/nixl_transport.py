@@ -43,7 +43,6 @@ import contextlib
 import itertools
 import logging
 import os
-import time
 
 import torch
 
@@ -197,15 +196,15 @@ class _NixlSendStream(KVSendStream):
         self._reap()
         await self._ready(ready)
         self._post(list(src_blocks), list(dst_blocks))
-        self._record(list(src_blocks), list(dst_blocks))
+        await self._record(list(src_blocks), list(dst_blocks))
 
-    def _record(self, src: list[int], dst: list[int]) -> None:
+    async def _record(self, src: list[int], dst: list[int]) -> None:
         """Keep the written blocks for the completion notice, with their checksums queued on
-        the sender's side stream (the step that wrote them has completed)."""
+        the sender's side stream (the step that wrote them has completed), on the pool's
+        thread (run_on_pool)."""
         self._dst += dst
         if self.sender.checksum and src:
-            with self.sender.side_stream():
-                self._sums.append(block_checksums(self.sender.kv, src))
+            self._sums.append(await self.sender.run_on_pool(self.sender.checksums, src))
 
     async def _notice(self, first_token: int, first_logprob: TokenLogprob | None) -> bytes:
         """The signed completion: every block written and its checksum, the first token."""
@@ -227,7 +226,7 @@ class _NixlSendStream(KVSendStream):
             # The notification travels with the last WRITE: NIXL sends it once the endpoint
             # is flushed, so after the data of this WRITE and of every earlier one.
             await self._ready(ready)
-            self._record(list(src_blocks), list(dst_blocks))
+            await self._record(list(src_blocks), list(dst_blocks))
             done = await self._notice(first_token, first_logprob)
             self._post(list(src_blocks), list(dst_blocks), done)
             await self._wait()
@@ -242,7 +241,7 @@ class _NixlSendStream(KVSendStream):
 
     async def abort(self) -> None:
         """Let WRITEs in flight end, then tell the decode worker no more will come for this
-        request, so it can reuse the blocks it kept aside (NixlKVReceiver.quarantine)."""
+        request, so it can reuse the blocks it kept aside (KVSink.sender_done)."""
         try:
             await self._wait()
         except KVTransferError:
@@ -276,6 +275,11 @@ class NixlKVSender(KVSender):
         self.elem = kv.element_size()
         self.memory = _memory(kv)
         self._remotes: dict[str, str] = {}       # agent name -> name nixl knows it by
+
+    def checksums(self, block_ids: list[int]) -> torch.Tensor:
+        """The pool's blocks' checksums, queued on the side stream (no sync)."""
+        with self.side_stream():
+            return block_checksums(self.kv, block_ids)
 
     def side_stream(self):
         """Where checksums are computed: off the engine's stream (CUDA), so they wait for
@@ -340,7 +344,6 @@ class NixlKVReceiver(KVReceiver):
         self.lease_s = lease_s
         self.intake = Intake(sink, checksum)
         self.auth = cluster_auth.current()
-        self._quarantined: dict[str, tuple[list[int], object, float]] = {}
         kv = sink.pool
         self.agent_name = f"pdserve-decode-{address}-{os.getpid()}"
         self.agent = _agent(self.agent_name, progress_thread)
@@ -367,21 +370,6 @@ class NixlKVReceiver(KVReceiver):
     def metadata(self) -> bytes:
         return self._metadata
 
-    def quarantine(self, request_id: str, block_ids: list[int], release) -> None:
-        """A request whose transfer may still be writing was aborted: its blocks stay out of
-        use (the caller pinned them) until the sender says it is done with them (completion or
-        abort notice), or `lease_s` passes. `release(block_ids)` gives them back."""
-        self._quarantined[request_id] = (block_ids, release, time.monotonic() + self.lease_s)
-
-    def _release(self, request_id: str, why: str) -> None:
-        entry = self._quarantined.pop(request_id, None)
-        if entry is not None:
-            blocks, release, _ = entry
-            release(blocks)
-            if why != "notified":
-                log.warning("request %s: %d KV blocks kept aside after an abort are reused now "
-                            "(%s)", request_id, len(blocks), why)
-
     async def _poll(self) -> None:
         while True:
             try:
@@ -392,10 +380,7 @@ class NixlKVReceiver(KVReceiver):
             for messages in notifs.values():
                 for msg in messages:
                     await self._notified(msg)
-            now = time.monotonic()
-            for rid in [r for r, (_, _, until) in self._quarantined.items() if until < now]:
-                self._release(rid, f"no word from the sender within {self.lease_s:g} s")
-            busy = self.sink.expecting() or self._quarantined
+            busy = self.sink.expecting()
             await asyncio.sleep(_POLL_BUSY_S if busy else _POLL_IDLE_S)
 
     async def _notified(self, msg: bytes) -> None:
@@ -408,7 +393,7 @@ class NixlKVReceiver(KVReceiver):
             log.warning("request %s: ignoring a NIXL notification without the deployment's "
                         "signature", chunk.request_id)
             return
-        self._release(chunk.request_id, "notified")
+        self.sink.sender_done(chunk.request_id)   # no more WRITEs for it: kept-aside blocks go
         if not chunk.last:
             return                               # the sender's abort notice
         try:
@@ -418,13 +403,12 @@ class NixlKVReceiver(KVReceiver):
             return
         try:        # the WRITEs are not seen: the notice's claims are checked instead
             self.intake.admit(chunk.request_id, chunk.block_ids, None, chunk.checksums)
-            await self.intake.finish(chunk.request_id, chunk.first_token_id)
+            await self.intake.complete(chunk.request_id, chunk.first_token_id,
+                                       first_logprob_of(chunk))
         except Refused as exc:
             if exc.kind != "unknown":            # unknown: aborted meanwhile
                 log.warning("%s", exc)
             await self.intake.reject(exc)
-            return
-        await self.sink.complete(chunk.request_id, chunk.first_token_id, first_logprob_of(chunk))
 
     async def close(self) -> None:
         self._task.cancel()
@@ -432,6 +416,4 @@ class NixlKVReceiver(KVReceiver):
             await self._task
         except asyncio.CancelledError:
             pass
-        for rid in list(self._quarantined):
-            self._release(rid, "shutting down")
         self.agent.deregister_memory(self._registration)

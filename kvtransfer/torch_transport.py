@@ -198,18 +198,23 @@ class _Channel:
             pass
         self.pool.shutdown(wait=False)
 
-    def send(self, meta: bytes, kv: torch.Tensor, src_blocks: list[int]):
-        """One message, on the channel's thread; -> the work of its last send."""
+    def message(self, meta: bytes, kv: torch.Tensor, src_blocks: list[int]) -> list:
+        """One message's tensors, the blocks gathered from the pool: on the pool's thread."""
+        return self.tensors.outgoing(meta, kv, src_blocks, self.checksum)
+
+    def send(self, tensors: list[torch.Tensor]):
+        """One message (`message`), on the channel's thread; -> the work of its last send."""
         if self.group is None:
             self._connect()
-        for tensor in self.tensors.outgoing(meta, kv, src_blocks, self.checksum):
+        for tensor in tensors:
             work = self.group.send([tensor], 1, 0)
             self._settle(work)
         return work
 
 
 class _TorchSendStream(KVSendStream):
-    """`ready` is not waited for: the gather is ordered behind the step on the engine's stream."""
+    """`ready` is not waited for: the gather (on the pool's thread: run_on_pool) is ordered
+    behind the step on the engine's stream; the channel's thread sends the gathered copy."""
 
     def __init__(self, sender: "TorchKVSender", channel: _Channel, request_id: str,
                  kv: torch.Tensor, target: TransferTarget) -> None:
@@ -226,8 +231,10 @@ class _TorchSendStream(KVSendStream):
             raise KVTransferError(f"torch.distributed channel to {ch.address} is broken: "
                                   f"{ch.broken}")
         try:
-            self._last = await asyncio.get_running_loop().run_in_executor(
-                ch.pool, ch.send, msg.SerializeToString(), self.kv, src_blocks)
+            tensors = await self.sender.run_on_pool(ch.message, msg.SerializeToString(),
+                                                    self.kv, src_blocks)
+            self._last = await asyncio.get_running_loop().run_in_executor(ch.pool, ch.send,
+                                                                          tensors)
         except Exception as exc:
             raise self._broken(exc) from exc
 
@@ -313,7 +320,7 @@ class TorchKVReceiver(KVReceiver):
                  checksum: bool = True) -> None:
         self.sink = sink
         self.timeout_s = timeout_s
-        self.intake = Intake(sink, checksum, timeout_s)
+        self.intake = Intake(sink, checksum)
         self.block_bytes = block_bytes(sink.layout)
         self.auth = cluster_auth.current()
         self.loop = asyncio.get_running_loop()
@@ -419,17 +426,14 @@ class TorchKVReceiver(KVReceiver):
             ids = self.intake.admit(chunk.request_id, chunk.block_ids, n * self.block_bytes,
                                     claimed)
             if ids:
-                await self.sink.write(ids, data)
+                await self.sink.write(chunk.request_id, ids, data)
             if chunk.last:
-                await self.intake.finish(chunk.request_id, chunk.first_token_id)
+                await self.intake.complete(chunk.request_id, chunk.first_token_id,
+                                           first_logprob_of(chunk))
         except Refused as exc:
             if exc.kind != "unknown":
                 log.warning("%s", exc)
             await self.intake.reject(exc)
-            return
-        if chunk.last:
-            await self.sink.complete(chunk.request_id, chunk.first_token_id,
-                                     first_logprob_of(chunk))
 
     async def close(self) -> None:
         self._closed.set()

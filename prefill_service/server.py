@@ -3,8 +3,9 @@
 Prefill(request): queue the prompt in the engine (prefill role: it finishes after the first
 token and keeps its blocks; blocks of a cached prefix are reused). After every engine step that
 completes blocks of the prompt, those blocks go to the decode worker's reserved blocks over the
-chosen transport while the next chunk computes; the first token follows the last block. Then the
-blocks are freed (hashed blocks stay cached until evicted). Cancellation or any failure frees them too.
+chosen transport while the next chunk computes; the first token follows the last block. The
+engine's KV connector holds those blocks (and the finished request's table) until the send has
+ended, sent or not (`save_done`); then they are freed (hashed blocks stay cached until evicted).
 On a GPU each output's `kv_ready` event goes along: a transport that reads the blocks off the
 engine's stream (nixl) waits for it before reading.
 """
@@ -40,8 +41,10 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         self.ident = ident
         self.layout = aengine.engine.layout
         self.block_bytes = block_bytes(self.layout)
-        self.sender = create_sender(transport, self.layout, kv=aengine.engine.kv,
-                                    timeout_s=timeout_s, checksum=checksum)
+        # the sender reads the pool (gathers, checksums) on the engine thread, between steps
+        self.sender = create_sender(transport, self.layout, run_on_pool=aengine.run,
+                                    kv=aengine.engine.kv, timeout_s=timeout_s,
+                                    checksum=checksum)
         self.transfers = metrics.transfers(transport)
         self.grammars = Grammars(aengine.engine)
         self._cancelled: set[str] = set()      # ended by an Abort call: CANCELLED
@@ -74,7 +77,6 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         t0 = time.perf_counter()
         queue = stream = None
         done = False
-        pinned: list[int] = []     # sent blocks stay pinned until the transfer is done with them
         try:
             try:
                 queue = await self.aengine.add(req)
@@ -89,8 +91,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                     code = (grpc.StatusCode.CANCELLED if rid in self._cancelled
                             else output_error_code(self.aengine))
                     await context.abort(code, out.error)
-                blocks = out.kv_blocks or []
-                pinned += blocks
+                blocks = out.kv_blocks or []       # held for us by the engine's connector
                 skip = min(max(target.num_cached_blocks - sent, 0), len(blocks))
                 src, dst = blocks[skip:], list(target.block_ids[sent + skip:sent + len(blocks)])
                 sent += len(blocks)
@@ -116,11 +117,11 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.ABORTED, str(exc))
         finally:
             if stream is not None and not done:
-                await stream.abort()
-            self.aengine.unpin(pinned)
+                await stream.abort()                # returns once nothing reads the blocks
             if queue is not None:
                 self.aengine.drain(queue)
-            self.aengine.abort_nowait(rid)          # frees the held blocks in every case
+            self.aengine.abort_nowait(rid)          # no more blocks for it (if still running)
+            self.aengine.save_done(rid)             # then every reference it held goes back
             self._cancelled.discard(rid)
         return pb.PrefillReply(first_token_id=out.new_token_ids[0],
                                num_prompt_tokens=req.num_prompt_tokens,

@@ -57,8 +57,7 @@ def disaggregated(p: Engine, d: Engine, req: Request) -> tuple[list[int], int]:
     assert len(sent) == len(blocks)
     cached = req.num_cached_blocks
     d.kv[:, :, blocks[cached:]] = p.kv[:, :, sent[cached:]]
-    p.unpin(sent)
-    p.release(req.request_id)
+    p.save_done(req.request_id)
     out = d.remote_ready(req.request_id, first.new_token_ids[0], None)
     tokens = list(out.new_token_ids)
     while d.has_work():

@@ -304,8 +304,8 @@ async def _raw(stream, dst, src):
     """A torch message whose meta says `dst` while its data holds the blocks `src`."""
     chunk = completion_chunk(stream.request_id, LAYOUT, 5, None, dst)
     ch = stream.channel
-    await asyncio.get_running_loop().run_in_executor(ch.pool, ch.send, chunk.SerializeToString(),
-                                                     stream.kv, src)
+    tensors = ch.message(chunk.SerializeToString(), stream.kv, src)
+    await asyncio.get_running_loop().run_in_executor(ch.pool, ch.send, tensors)
 
 
 async def _notice(stream, dst, sums):

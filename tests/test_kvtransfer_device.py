@@ -136,10 +136,11 @@ def model_dir(tmp_path_factory):
 
 
 def test_grpc_sender_and_decode_sink_move_blocks_through_staging(model_dir):
-    """grpc sender -> PushKV -> the decode service's DecodeSink -> a real engine that decodes."""
-    from decode_service.server import DecodeSink
+    """grpc sender -> PushKV -> the decode engine's sink (kvtransfer.connector) -> a real engine
+    that decodes."""
     from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
+    from kvtransfer.connector import EngineSink
     from engine.engine import Engine
     from engine.request import Request, SamplingParams
     from kvtransfer import create_sender
@@ -161,13 +162,12 @@ def test_grpc_sender_and_decode_sink_move_blocks_through_staging(model_dir):
         async def refuse(rid, why):
             refused.append((rid, why))
 
-        sink = DecodeSink(aengine, metrics.transfers("grpc"), refuse)
+        sink = EngineSink(aengine, metrics.transfers("grpc"), refuse)
         req = Request("r", list(range(1, 9)), SamplingParams(temperature=0, max_tokens=3,
                                                              ignore_eos=True))
         queue = aengine.open_stream("r")
         try:
             blocks = await aengine.reserve(req)             # 8 prompt tokens: 2 blocks
-            sink.reserve("r", blocks)
             async with receiving("grpc", sink, f"127.0.0.1:{free_port()}") as receiver:
                 sender = create_sender("grpc", lay, kv=src, blocks_per_message=1)
                 t = TransferTarget("grpc", receiver.address(), "d1", lay, tuple(blocks), 0)
@@ -299,6 +299,10 @@ def test_nixl_posts_at_once_without_a_ready_event():
         sink = MemorySink(LAYOUT, 8)
         async with endpoints("nixl", sink, src) as (sender, receiver):
             sink.reservations["r"] = [1, 2]
+
+            async def inline(fn, *args):                # the pool's thread, without a hop:
+                return fn(*args)                        # what yields is the stream's own
+            sender.run_on_pool = inline
             stream = sender.open("r", src, target(receiver, [1, 2]))
             yielded = 0
 

@@ -76,8 +76,7 @@ def make_sched(num_blocks=8, role="prefill", budget=64):
 def prefill(s: Scheduler, req: Request):
     s.add(req)
     out = s.schedule()
-    for o in s.update(out, [7] * sum(x.sample for x in out.scheduled), [None]):
-        s.kv.pool.free(o.kv_blocks or [])          # the transfer is done with them
+    s.update(out, [7] * sum(x.sample for x in out.scheduled), [None])
     return out
 
 
@@ -85,18 +84,18 @@ def test_scheduler_reuses_a_cached_prefix_and_computes_only_the_rest():
     s, kv = make_sched()
     prefill(s, Request("a", list(range(1, 11)), GREEDY))          # 10 tokens: blocks 0, 1, (2)
     assert kv.block_table("a") == [0, 1, 2] and kv.pool.num_cached == 2
-    s.release("a")
+    s.save_done("a")      # the send is done
     b = Request("b", list(range(1, 9)) + [50, 51, 52], GREEDY)    # shares 2 full blocks
     out = prefill(s, b)
     assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("b", 3)]
     assert kv.block_table("b")[:2] == [0, 1] and b.num_cached_tokens == 8
-    s.release("b")
+    s.save_done("b")      # the send is done
     c = Request("c", list(range(1, 9)), GREEDY)                   # all of it cached: the last
     out = prefill(s, c)                                           # block is computed again
     assert out.scheduled[0].num_new_tokens == 4 and kv.block_table("c")[0] == 0
     assert kv.block_table("c")[1] != 1 and c.num_cached_tokens == 4
     assert (kv.query_tokens, kv.hit_tokens) == (10 + 11 + 8, 0 + 8 + 4)
-    s.release("c")
+    s.save_done("c")      # the send is done
     assert kv.pool.num_free == 8
 
 
@@ -117,7 +116,7 @@ def test_without_a_hasher_nothing_is_shared():
     kv = KVCacheManager(BlockPool(8), 4, None)
     s = Scheduler(cfg, kv, eos_token_ids=(0,), max_model_len=64)
     prefill(s, Request("a", list(range(1, 11)), GREEDY))
-    s.release("a")
+    s.save_done("a")      # the send is done
     out = prefill(s, Request("b", list(range(1, 11)), GREEDY))
     assert out.scheduled[0].num_new_tokens == 10 and kv.pool.num_cached == 0
 

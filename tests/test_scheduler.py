@@ -112,16 +112,28 @@ def test_preempts_newest_and_recomputes():
         [("b", 5, True)]
 
 
-def test_prefill_role_holds_blocks_until_released():
+def test_prefill_role_holds_blocks_until_the_send_is_done():
     s, kv = make(role="prefill")
     s.add(Request("a", [1, 2, 3, 4, 5], GREEDY))
     outs = s.update(s.schedule(), [7], [None])
     assert outs[0].finish_reason == "prefilled" and outs[0].kv_blocks == [0, 1]
-    assert kv.block_table("a") == [0, 1] and "a" in s.held
-    s.release("a")
-    assert kv.pool.num_free == kv.pool.num_blocks - 2      # still pinned for the transfer
-    kv.pool.free(outs[0].kv_blocks)
+    assert kv.block_table("a") == [0, 1] and s.connector.is_held("a")
+    assert [kv.pool.ref_count(b) for b in (0, 1)] == [2, 2]   # the table's, the transfer's
+    s.abort("a")                                # cancelled mid-send: the table goes, but
+    assert kv.pool.num_free == kv.pool.num_blocks - 2      # a transport may still read them
+    s.save_done("a")
     assert kv.pool.num_free == kv.pool.num_blocks
+    assert s.connector.references() == {"saving": 0, "held": 0, "quarantined": 0, "loading": 0}
+
+
+def test_prefill_save_done_gives_back_the_table_and_every_reference_at_once():
+    s, kv = make(role="prefill")
+    s.add(Request("a", [1, 2, 3, 4, 5], GREEDY))
+    s.update(s.schedule(), [7], [None])
+    assert s.connector.references()["saving"] == 2
+    s.save_done("a")
+    s.save_done("a")                            # a second time: nothing left to give back
+    assert kv.pool.num_free == kv.pool.num_blocks and not kv.block_table("a")
 
 
 def test_prefill_role_hands_out_each_chunks_blocks_once():
@@ -133,9 +145,7 @@ def test_prefill_role_hands_out_each_chunks_blocks_once():
         for o in s.update(sched, [7] * sum(x.sample for x in sched.scheduled), [None]):
             got.append((o.kv_blocks, o.finish_reason))
     assert got == [([0], None), ([1, 2], None), ([3], "prefilled")]
-    s.release("a")
-    for blocks, _ in got:
-        kv.pool.free(blocks)
+    s.save_done("a")
     assert kv.pool.num_free == 16
 
 

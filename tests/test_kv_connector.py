@@ -1,0 +1,170 @@
+"""The KV connector: the one owner of a transfer's block references (engine.kv_connector) and
+the decode engine's sink, which touches the pool only on the engine thread
+(kvtransfer.connector)."""
+
+import asyncio
+
+import torch
+
+from engine.block_pool import BlockPool, KVCacheManager
+from engine.block_hash import BlockHasher
+from engine.config import EngineConfig
+from engine.request import Request, SamplingParams
+from engine.scheduler import Scheduler
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+NONE_HELD = {"saving": 0, "held": 0, "quarantined": 0, "loading": 0}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def decode_side(num_blocks=12, one_sided=True):
+    cfg = EngineConfig(role="decode", block_size=4, num_blocks=num_blocks,
+                       max_num_batched_tokens=32)
+    kv = KVCacheManager(BlockPool(num_blocks), 4, BlockHasher(4))
+    s = Scheduler(cfg, kv, eos_token_ids=(0,), max_model_len=64)
+    clock = Clock()
+    c = s.connector
+    c.clock, c.one_sided, c.load_timeout_s, c.lease_s = clock, one_sided, 10.0, 30.0
+    return s, kv, clock
+
+
+def test_a_load_expects_only_the_blocks_after_the_cached_prefix():
+    s, kv, _ = decode_side()
+    first = Request("t1", list(range(1, 13)), GREEDY)
+    s.reserve_remote(first)
+    s.remote_ready("t1", 5, None)                   # blocks 0-2 computed: cached
+    s.abort("t1")
+    second = Request("t2", list(range(1, 13)) + [5, 6, 7, 8, 9], GREEDY)
+    blocks = s.reserve_remote(second)
+    c = s.connector
+    assert c.reserved_blocks("t2") == blocks[3:] and c.is_loading("t2", blocks[3:])
+    assert not c.is_loading("t2", blocks[:1])       # the prefix cache's: never written
+    assert not c.is_loading("t1", blocks[3:])       # no load for another request
+    s.remote_ready("t2", 9, None)
+    assert c.reserved_blocks("t2") is None and c.references() == NONE_HELD
+
+
+def test_an_abort_keeps_a_one_sided_senders_blocks_aside_until_it_is_done():
+    s, kv, _ = decode_side()
+    s.reserve_remote(Request("r", list(range(1, 9)), GREEDY))      # blocks 0, 1
+    s.abort("r")                                    # the client went away mid-transfer
+    assert s.connector.references()["quarantined"] == 2
+    assert kv.pool.num_free == kv.pool.num_blocks - 2      # nobody else gets them yet
+    s.connector.sender_done("r")                    # its abort notice came
+    assert kv.pool.num_free == kv.pool.num_blocks and s.connector.references() == NONE_HELD
+
+
+def test_a_two_sided_senders_blocks_go_back_at_once():
+    s, kv, _ = decode_side(one_sided=False)
+    s.reserve_remote(Request("r", list(range(1, 9)), GREEDY))
+    s.abort("r")                                    # its writes run on the engine thread:
+    assert kv.pool.num_free == kv.pool.num_blocks   # none can land after this
+    assert s.connector.references() == NONE_HELD
+
+
+def test_a_late_load_expires_and_a_silent_senders_lease_runs_out():
+    s, kv, clock = decode_side()
+    s.reserve_remote(Request("late", list(range(1, 9)), GREEDY))
+    clock.now = 5.0
+    assert s.connector.expire() == []
+    clock.now = 11.0
+    assert s.connector.expire() == ["late"]         # ended, blocks kept aside
+    assert s.connector.reserved_blocks("late") is None
+    s.abort("late")                                 # the service fails it: the table goes
+    assert kv.pool.num_free == kv.pool.num_blocks - 2
+    clock.now = 42.0
+    s.connector.expire()                            # no word from the sender in 30 s
+    assert kv.pool.num_free == kv.pool.num_blocks and s.connector.references() == NONE_HELD
+
+
+def test_recomputing_after_a_timeout_never_writes_into_blocks_kept_aside():
+    s, kv, clock = decode_side()
+    reserved = s.reserve_remote(Request("r", list(range(1, 9)), GREEDY))
+    clock.now = 11.0
+    assert s.connector.expire() == ["r"]
+    assert s.compute_locally("r")                   # --kv-load-failure recompute
+    out = s.schedule()
+    assert [x.request.request_id for x in out.scheduled] == ["r"]
+    assert not set(kv.block_table("r")) & set(reserved)   # a one-sided WRITE may still land
+    s.connector.sender_done("r")
+    s.abort("r")
+    assert kv.pool.num_free == kv.pool.num_blocks
+
+
+def test_prefill_blocks_stay_until_save_done_whatever_ends_the_request_first():
+    cfg = EngineConfig(role="prefill", block_size=4, num_blocks=8, max_num_batched_tokens=4)
+    kv = KVCacheManager(BlockPool(8), 4, BlockHasher(4))
+    s = Scheduler(cfg, kv, eos_token_ids=(0,), max_model_len=64)
+    s.add(Request("a", list(range(1, 11)), GREEDY))            # 10 tokens: chunks 4, 4, 2
+    out = s.schedule()
+    (o,) = s.update(out, [], [])
+    assert o.kv_blocks == [0]                       # first chunk final: handed out
+    s.abort("a")                                    # cancelled before its prefill ended
+    assert kv.pool.ref_count(0) == 1                # a transport may still read block 0
+    s.save_done("a")
+    assert kv.pool.num_free == 8 and s.connector.references() == NONE_HELD
+
+
+# ------------------------------------------------------------------ the engine's sink
+def test_the_engine_sink_writes_only_live_loads_and_checks_before_the_request_runs(model_dir):
+    from engine.async_engine import AsyncEngine
+    from engine.engine import Engine
+    from kvtransfer.connector import EngineSink
+    from kvtransfer.integrity import checksums
+    from pdserve.metrics import WorkerMetrics
+
+    engine = Engine(model_dir, EngineConfig(role="decode", num_blocks=16, block_size=4,
+                                            max_num_batched_tokens=16))
+    lay = engine.layout
+    data = torch.randn(lay.num_layers, 2, 2, lay.block_size, lay.num_kv_heads, lay.head_dim,
+                       generator=torch.Generator().manual_seed(3))
+
+    async def body():
+        aengine = AsyncEngine(engine)
+        aengine.start()
+        refused = []
+
+        async def refuse(rid, why):
+            refused.append(rid)
+            aengine.fail(rid, why)
+
+        sink = EngineSink(aengine, WorkerMetrics("decode", "d", 16, lambda: (0, 0, 0))
+                          .transfers("grpc"), refuse)
+        try:
+            gone = Request("gone", list(range(1, 9)), GREEDY)
+            q_gone = aengine.open_stream("gone")
+            blocks = await aengine.reserve(gone)
+            await aengine.abort("gone")
+            before = engine.kv[:, :, blocks].clone()
+            await sink.write("gone", blocks, data)          # aborted first: dropped
+            await aengine.run(lambda: None)                 # (the write's command has run)
+            assert q_gone.empty() and torch.equal(engine.kv[:, :, blocks], before)
+
+            bad = Request("bad", list(range(1, 9)), GREEDY)
+            q_bad = aengine.open_stream("bad")
+            blocks = await aengine.reserve(bad)
+            await sink.write("bad", blocks, data)
+            sums = checksums(data).tolist()
+            sums[1] ^= 1                                            # what the sender claims
+            why = await sink.complete("bad", 7, None, blocks, sums)
+            assert why is not None and "checksum mismatch" in why
+            await sink.reject("bad", why, "checksum")
+            out = await asyncio.wait_for(q_bad.get(), 10)
+            assert out.error and refused == ["bad"] and not out.new_token_ids  # never ran
+            for _ in range(100):
+                if engine.pool.num_free == engine.pool.num_blocks:
+                    break
+                await asyncio.sleep(0.01)
+            return engine.pool.num_free, engine.connector.references()
+        finally:
+            aengine.stop()
+
+    free, refs = asyncio.run(body())
+    assert free == 16 and refs == NONE_HELD
