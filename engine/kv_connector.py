@@ -186,8 +186,10 @@ class KVConnector:
 
     # ------------------------------------------------------------------ accounting
     def references(self) -> dict[str, int]:
-        """Block references held for transfers now, by kind (tests, stats)."""
-        return {"saving": sum(len(s.blocks) for s in self._saves.values()),
-                "held": sum(1 for s in self._saves.values() if s.request is not None),
-                "quarantined": sum(len(q.blocks) for q in self._quarantine.values()),
+        """Block references held for transfers now, by kind (tests, metrics). Any thread: it
+        reads snapshots (list() of a dict is one step under the GIL)."""
+        saves = list(self._saves.values())
+        return {"saving": sum(len(s.blocks) for s in saves),
+                "held": sum(1 for s in saves if s.request is not None),
+                "quarantined": sum(len(q.blocks) for q in list(self._quarantine.values())),
                 "loading": len(self.loads)}

@@ -38,7 +38,9 @@ class WorkerMetrics:
     def __init__(self, role: str, worker_id: str, total_blocks: int,
                  load: Callable[[], tuple[int, int, int]],
                  prefix: Callable[[], tuple[int, int, int, int]] | None = None,
-                 spec: str | None = None) -> None:
+                 spec: str | None = None,
+                 transfer_refs: Callable[[], dict[str, int]] | None = None) -> None:
+        """transfer_refs: the KV connector's references (engine.kv_connector.references)."""
         self.registry = CollectorRegistry()
         labels = {"role": role, "worker": worker_id}
         self._labels = labels
@@ -64,6 +66,13 @@ class WorkerMetrics:
         gauge("pdserve_kv_blocks_free", "Free KV blocks", lambda: load()[2])
         gauge("pdserve_kv_usage_ratio", "Fraction of KV blocks in use",
               lambda: 1.0 - load()[2] / total_blocks)
+        if transfer_refs is not None:
+            held = Gauge("pdserve_kv_blocks_in_transfer", "Block references the KV connector "
+                         "holds: saving (sent or being sent), quarantined (kept aside from a "
+                         "one-sided sender)", [*labels, "hold"], registry=r)
+            for kind in ("saving", "quarantined"):
+                held.labels(**labels, hold=kind).set_function(
+                    lambda kind=kind: transfer_refs()[kind])
         if prefix is not None:
             gauge("pdserve_prefix_cache_blocks", "Blocks findable by hash (in use or evictable)",
                   lambda: prefix()[2])

@@ -221,7 +221,8 @@ async def serve(args, role: str, add_services: Callable) -> None:
     prefix = (lambda: (kvm.query_tokens, kvm.hit_tokens, kvm.pool.num_cached,
                        kvm.pool.evictions)) if kvm.hasher is not None else None
     metrics = WorkerMetrics(role, ident.id, engine.pool.num_blocks, lambda: aengine.load(), prefix,
-                            spec=engine.proposer.name if engine.proposer is not None else None)
+                            spec=engine.proposer.name if engine.proposer is not None else None,
+                            transfer_refs=engine.connector.references)
     duties: list = []             # what keeps this worker in the registry, once started
 
     def on_death(reason: str) -> None:

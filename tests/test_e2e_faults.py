@@ -76,6 +76,8 @@ def all_free(stack) -> None:
         if p.alive():
             wait_until(lambda m=p.metrics: metric(m, "pdserve_kv_blocks_free")
                        == metric(m, "pdserve_kv_blocks_total"), 20, f"{n} pool all free")
+            assert "pdserve_kv_blocks_in_transfer{" in httpx.get(p.metrics, timeout=10).text
+            assert metric(p.metrics, "pdserve_kv_blocks_in_transfer") == 0   # none kept
 
 
 def text_of(hf, ids):  # noqa: F811
