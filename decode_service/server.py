@@ -66,6 +66,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         # requests ended from outside, and the status their Decode stream ends with: ABORTED
         # for a failed KV transfer (the gateway runs it again), CANCELLED for an Abort call
         self._ended: dict[str, grpc.StatusCode] = {}
+        self._open: set[str] = set()                # requests whose Decode stream is open
         self._pending: set[asyncio.Task] = set()
 
     def _timed_out(self, rid: str) -> None:
@@ -76,7 +77,12 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             rid, f"KV transfer from the prefill worker did not complete within "
                  f"{self.timeout_s:g} s"))
         self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+        task.add_done_callback(self._given_up)
+
+    def _given_up(self, task: asyncio.Task) -> None:
+        self._pending.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("a timed-out reservation could not be ended", exc_info=task.exception())
 
     async def _give_up(self, rid: str, why: str) -> None:
         """The request's KV will not arrive, or arrived unusable (its load has ended): compute
@@ -86,7 +92,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             await self.aengine.compute_locally(rid)
         else:
             log.warning("request %s: %s", rid, why)
-            self._ended[rid] = grpc.StatusCode.ABORTED
+            if rid in self._open:                   # its stream ends ABORTED
+                self._ended[rid] = grpc.StatusCode.ABORTED
             self.aengine.fail(rid, why)
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
@@ -104,6 +111,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         finished = False
         done: set[int] = set()          # choices finished
+        self._open.add(rid)
         try:
             if request.local_prefill:
                 try:
@@ -135,6 +143,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                 for batch in _token_batches(outs):
                     yield pb.DecodeEvent(tokens=batch)
         finally:
+            self._open.discard(rid)
             self._ended.pop(rid, None)
             if not finished:        # the engine ends the load (one-sided: blocks kept aside)
                 self.aengine.abort_nowait(rid)

@@ -273,7 +273,10 @@ class AsyncEngine:
     def _run_command(self, item) -> None:
         fn, args, fut = item
         if fut is None:
-            fn(*args)
+            try:
+                fn(*args)
+            except Exception:    # nobody waits for it: say so, and keep the engine going
+                log.exception("engine command %s failed", getattr(fn, "__qualname__", fn))
             return
         if not fut.set_running_or_notify_cancel():
             return

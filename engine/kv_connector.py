@@ -112,8 +112,14 @@ class KVConnector:
         if load is not None and self.one_sided and not (sender_stopped or load.sender_stopped) \
                 and load.blocks:
             self.kv.pool.take(load.blocks)
-            self._quarantine[request_id] = _Quarantine(load.blocks, self.clock() + self.lease_s)
+            until = self.clock() + self.lease_s
+            q = self._quarantine.setdefault(request_id, _Quarantine([], until))
+            q.blocks += load.blocks           # (an id reserved again: both sets stay aside)
+            q.until = until
         return load
+
+    def is_quarantined(self, request_id: str) -> bool:
+        return request_id in self._quarantine
 
     def sender_done(self, request_id: str) -> None:
         """A one-sided sender has stopped writing the request's blocks (its completion or abort

@@ -111,15 +111,19 @@ class Scheduler:
         return out
 
     def compute_locally(self, request_id: str) -> bool:
-        """Decode role: the KV of a reserved request will not arrive; compute the prompt here.
-        It starts afresh in new blocks (its prefix cache hits found again): the reserved ones
-        may still be written by a one-sided sender, which the connector keeps them aside for."""
+        """Decode role: the KV of a reserved request will not arrive; compute the prompt here,
+        beyond the prefix this worker had cached, in the blocks reserved. Unless a one-sided
+        sender may still write into them (the connector keeps them aside): then it starts
+        afresh in new blocks (its cached prefix found again)."""
         req = self.remote.pop(request_id, None)
         if req is None:
             return False
         self.connector.end_load(request_id, sender_stopped=False)
-        self.kv.free(request_id)
-        req.num_computed_tokens = req.num_cached_blocks = req.num_cached_tokens = 0
+        if self.connector.is_quarantined(request_id):
+            self.kv.free(request_id)
+            req.num_computed_tokens = req.num_cached_blocks = req.num_cached_tokens = 0
+        else:
+            req.num_computed_tokens = req.num_cached_tokens
         req.status = Status.WAITING
         self.waiting.append(req)
         return True

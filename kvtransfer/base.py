@@ -127,10 +127,11 @@ class KVSink(Protocol):
 
     async def complete(self, request_id: str, first_token: int,
                        first_logprob: TokenLogprob | None, block_ids: list[int],
-                       claimed: list[int] | None) -> str | None:
+                       claimed: list[int] | None) -> tuple[str, str] | None:
         """All blocks written (`block_ids`, with the sender's checksums `claimed`; None: not
         checked): check them on the pool and let the request start decoding. None when done
-        (or the request is gone), else why the KV is refused (then `reject` it)."""
+        (or the request is gone), else (kind, why) the KV is refused: kind "checksum"
+        (corrupted) or "invalid" (a write failed); then `reject` it."""
 
     async def reject(self, request_id: str, message: str, kind: str) -> None:
         """The request's KV is unusable (kind "invalid": a transfer that broke a rule;

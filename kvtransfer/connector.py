@@ -27,7 +27,7 @@ from typing import Awaitable, Callable
 
 import torch
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineDead
 from engine.engine import KVLayout
 from engine.request import TokenLogprob
 from kvtransfer.base import block_bytes
@@ -100,7 +100,11 @@ class EngineSink:
                 load.failed = f"writing the received KV into the pool failed: {exc}"
 
         while self._pending and self._pending_bytes + nbytes > MAX_PENDING_BYTES:
-            await asyncio.shield(self._pending[0][0])
+            head = self._pending[0][0]
+            if head.done():                # its callback may not have run yet: run it now
+                self._written(head)
+            else:
+                await asyncio.wait({head})
         fut = self.aengine.run(run)
         self._pending.append((fut, nbytes))
         self._pending_bytes += nbytes
@@ -112,15 +116,17 @@ class EngineSink:
                 del self._pending[i]
                 self._pending_bytes -= nbytes
                 break
-        if not fut.cancelled():
-            fut.exception()                      # retrieved (EngineDead: every stream fails)
+        exc = None if fut.cancelled() else fut.exception()
+        if exc is not None and not isinstance(exc, EngineDead):   # dead: every stream fails
+            log.error("a KV write command failed", exc_info=exc)
 
     async def complete(self, request_id: str, first_token: int,
                        first_logprob: TokenLogprob | None, block_ids: list[int],
-                       claimed: list[int] | None) -> str | None:
+                       claimed: list[int] | None) -> tuple[str, str] | None:
         """Every block arrived: check them (`claimed`: the sender's checksums, None: not
         checked) and let the request decode, in one engine command. -> None (done, or the
-        request is gone), or why the KV is refused (the load stays open for `reject`)."""
+        request is gone), or (kind, why) the KV is refused (the load stays open for
+        `reject`)."""
         ids = list(block_ids)
         pool = self.aengine.engine.kv
 
@@ -129,15 +135,15 @@ class EngineSink:
             if load is None:
                 return None
             if load.failed is not None:
-                return load.failed
+                return "invalid", load.failed
             if claimed is not None:
                 why = mismatch(pool, ids, claimed)
                 if why is not None:
-                    return why
+                    return "checksum", why
             self.aengine.remote_ready_now(request_id, first_token, first_logprob)
             return load
         result = await self.aengine.run(run)
-        if isinstance(result, str):
+        if isinstance(result, tuple):
             return result
         if result is not None:
             self.transfers.done(len(result.blocks), block_bytes(self.layout),

@@ -202,10 +202,10 @@ class Intake:
             self._refuse(request_id, "invalid", f"first token {first_token} is outside the "
                                                 f"vocabulary ({self.sink.vocab_size} tokens)")
         self._transfers.pop(request_id, None)
-        why = await self.sink.complete(request_id, first_token, first_logprob, t.arrived,
-                                       t.claimed if self.checksums else None)
-        if why is not None:
-            raise Refused(request_id, "checksum", why)
+        refused = await self.sink.complete(request_id, first_token, first_logprob, t.arrived,
+                                           t.claimed if self.checksums else None)
+        if refused is not None:
+            raise Refused(request_id, *refused)
 
     def _refuse(self, request_id: str, kind: str, message: str):
         self._transfers.pop(request_id, None)

@@ -60,11 +60,11 @@ class MemorySink:
 
     async def complete(self, request_id: str, first_token: int,
                        first_logprob: TokenLogprob | None, block_ids: list[int],
-                       claimed: list[int] | None) -> str | None:
+                       claimed: list[int] | None) -> tuple[str, str] | None:
         if claimed is not None:
             why = await asyncio.to_thread(mismatch, self.kv, block_ids, claimed)
             if why is not None:
-                return why
+                return "checksum", why
         self.reservations.pop(request_id)
         self.completed[request_id] = (first_token, first_logprob)
         self.completed_at[request_id] = time.monotonic()

@@ -116,13 +116,15 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             self.transfers.failed("send")
             await context.abort(grpc.StatusCode.ABORTED, str(exc))
         finally:
-            if stream is not None and not done:
-                await stream.abort()                # returns once nothing reads the blocks
-            if queue is not None:
-                self.aengine.drain(queue)
-            self.aengine.abort_nowait(rid)          # no more blocks for it (if still running)
-            self.aengine.save_done(rid)             # then every reference it held goes back
-            self._cancelled.discard(rid)
+            try:
+                if stream is not None and not done:
+                    await stream.abort()            # returns once nothing reads the blocks
+            finally:
+                if queue is not None:
+                    self.aengine.drain(queue)
+                self.aengine.abort_nowait(rid)      # no more blocks for it (if still running)
+                self.aengine.save_done(rid)         # then every reference it held goes back
+                self._cancelled.discard(rid)
         return pb.PrefillReply(first_token_id=out.new_token_ids[0],
                                num_prompt_tokens=req.num_prompt_tokens,
                                compute_seconds=t1 - t0, transfer_seconds=t2 - t1,

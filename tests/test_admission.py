@@ -101,7 +101,7 @@ def test_a_dead_engine_thread_fails_every_request_and_refuses_new_ones(tiny):
 
         def broken():
             raise RuntimeError("device lost")
-        aengine._cmds.put((broken, (), None))       # a command that breaks the engine thread
+        aengine.engine.has_work = broken            # the engine thread's own loop breaks
         await asyncio.wait_for(died.wait(), 10)
         errors = []
         while True:

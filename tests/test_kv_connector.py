@@ -153,8 +153,8 @@ def test_the_engine_sink_writes_only_live_loads_and_checks_before_the_request_ru
             await sink.write("bad", blocks, data)
             sums = checksums(data).tolist()
             sums[1] ^= 1                                            # what the sender claims
-            why = await sink.complete("bad", 7, None, blocks, sums)
-            assert why is not None and "checksum mismatch" in why
+            kind, why = await sink.complete("bad", 7, None, blocks, sums)
+            assert kind == "checksum" and "checksum mismatch" in why
             await sink.reject("bad", why, "checksum")
             out = await asyncio.wait_for(q_bad.get(), 10)
             assert out.error and refused == ["bad"] and not out.new_token_ids  # never ran
@@ -168,3 +168,83 @@ def test_the_engine_sink_writes_only_live_loads_and_checks_before_the_request_ru
 
     free, refs = asyncio.run(body())
     assert free == 16 and refs == NONE_HELD
+
+
+def test_a_senders_word_before_the_abort_keeps_nothing_aside():
+    s, kv, _ = decode_side()
+    s.reserve_remote(Request("r", list(range(1, 9)), GREEDY))
+    s.connector.sender_done("r")                    # its abort notice overtook the client's
+    s.abort("r")
+    assert kv.pool.num_free == kv.pool.num_blocks and s.connector.references() == NONE_HELD
+
+
+def _decode_engine(model_dir, **kw):
+    from engine.engine import Engine
+    return Engine(model_dir, EngineConfig(role="decode", num_blocks=16, block_size=4,
+                                          max_num_batched_tokens=16, **kw))
+
+
+def test_writes_past_the_bound_wait_their_turn_and_the_request_runs_on_them(model_dir,
+                                                                              monkeypatch):
+    import kvtransfer.connector as connector
+    from engine.async_engine import AsyncEngine
+    from kvtransfer.integrity import checksums
+    from pdserve.metrics import WorkerMetrics
+
+    monkeypatch.setattr(connector, "MAX_PENDING_BYTES", 1)     # every write waits for the last
+    engine = _decode_engine(model_dir)
+    lay = engine.layout
+    data = torch.randn(lay.num_layers, 2, 2, lay.block_size, lay.num_kv_heads, lay.head_dim,
+                       generator=torch.Generator().manual_seed(5))
+
+    async def body():
+        aengine = AsyncEngine(engine)
+        aengine.start()
+        sink = connector.EngineSink(aengine, WorkerMetrics("decode", "d", 16, lambda: (0, 0, 0))
+                                    .transfers("grpc"), None)
+        try:
+            q = aengine.open_stream("r")
+            blocks = await aengine.reserve(Request("r", list(range(1, 9)), GREEDY))
+            await asyncio.gather(sink.write("r", blocks[:1], data[:, :, :1].clone()),
+                                 sink.write("r", blocks[1:], data[:, :, 1:].clone()))
+            assert await sink.complete("r", 7, None, blocks, checksums(data).tolist()) is None
+            tokens = []
+            while not (out := await asyncio.wait_for(q.get(), 30)).finished:
+                tokens += out.new_token_ids
+            return blocks, tokens + out.new_token_ids, sink._pending_bytes
+        finally:
+            aengine.stop()
+
+    blocks, tokens, pending = asyncio.run(body())
+    assert tokens[0] == 7 and len(tokens) == GREEDY.max_tokens and pending == 0
+    assert torch.equal(engine.kv[:, :, blocks], data)
+
+
+def test_a_reservation_whose_kv_does_not_come_times_out_on_the_engine(model_dir):
+    from engine.async_engine import AsyncEngine
+
+    engine = _decode_engine(model_dir)
+    c = engine.connector
+    c.one_sided, c.load_timeout_s, c.lease_s = True, 0.2, 0.5
+
+    async def body():
+        timed_out = asyncio.Queue()
+        aengine = AsyncEngine(engine)
+        aengine.on_load_timeout = timed_out.put_nowait
+        aengine.start()
+        try:
+            aengine.open_stream("r")
+            await aengine.reserve(Request("r", list(range(1, 9)), GREEDY))
+            rid = await asyncio.wait_for(timed_out.get(), 5)
+            kept = c.references()["quarantined"]
+            await aengine.abort(rid)                # --kv-load-failure fail
+            for _ in range(300):                    # the silent sender's lease runs out
+                if engine.pool.num_free == engine.pool.num_blocks:
+                    break
+                await asyncio.sleep(0.01)
+            return rid, kept, engine.pool.num_free, c.references()
+        finally:
+            aengine.stop()
+
+    rid, kept, free, refs = asyncio.run(body())
+    assert rid == "r" and kept == 2 and free == 16 and refs == NONE_HELD
