@@ -7,8 +7,10 @@ ordinary gRPC port, so the receiver's address is the worker's address.
 
 Blocks cross the host on both sides through kvtransfer.staging: the sender gathers them on its
 pool's device into a reusable (on CUDA page-locked) buffer and sends its bytes; the decode
-service's sink copies them back to its device the same way. The gather runs on the stream the
-engine computes on, behind the step that wrote the blocks, so `ready` events are not waited for.
+engine's sink (kvtransfer.connector) copies them back to its device the same way. The gather runs
+on the engine thread (`run_on_pool`: one command per chunk, between steps; on CUDA it waits for
+its device-to-host copy there) and on the stream the engine computes on, behind the step that
+wrote the blocks, so `ready` events are not waited for.
 
 Integrity: each message carries the checksums of its blocks (kvtransfer.integrity), computed on
 the sender's device from the gathered blocks and copied back with them; the receiver holds every

@@ -43,6 +43,7 @@ import contextlib
 import itertools
 import logging
 import os
+import time
 
 import torch
 
@@ -66,6 +67,7 @@ _POLL_MIN_S = 0.0002
 _POLL_MAX_S = 0.005
 _POLL_BUSY_S = 0.002
 _POLL_IDLE_S = 0.02
+NOTICE_PROGRESS_S = 5.0      # the sender progresses its agent this long after a lone notice
 
 
 def _agent(name: str, progress_thread: bool):
@@ -235,6 +237,7 @@ class _NixlSendStream(KVSendStream):
             await self._wait()
             try:
                 self.sender.agent.send_notif(self.remote, done)
+                self.sender.progress_for(NOTICE_PROGRESS_S)
             except Exception as exc:
                 raise KVTransferError(f"NIXL notification to {self.target.engine_id} failed: "
                                       f"{exc}") from exc
@@ -252,6 +255,7 @@ class _NixlSendStream(KVSendStream):
             notice = pb.KVChunk(request_id=self.request_id, last=False)
             notice.signature = self.sender.auth.sign(notice_fields(notice))
             self.sender.agent.send_notif(self.remote, notice.SerializeToString())
+            self.sender.progress_for(NOTICE_PROGRESS_S)
         except Exception:       # the decode worker is gone: its lease frees the blocks
             pass
 
@@ -275,6 +279,26 @@ class NixlKVSender(KVSender):
         self.elem = kv.element_size()
         self.memory = _memory(kv)
         self._remotes: dict[str, str] = {}       # agent name -> name nixl knows it by
+        self._progress_until = 0.0
+        self._progressing: asyncio.Task | None = None
+
+    def progress_for(self, seconds: float) -> None:
+        """Progress the agent for `seconds` from now in the background. With the progress thread
+        off, UCX moves a notification sent alone (not with a WRITE) only while the agent is
+        progressed, and nothing else may progress it soon: an abort notice would otherwise
+        wait for the next transfer, and the decode worker would keep its blocks aside until
+        its lease ran out."""
+        self._progress_until = max(self._progress_until, time.monotonic() + seconds)
+        if self._progressing is None or self._progressing.done():
+            self._progressing = asyncio.get_running_loop().create_task(self._progress())
+
+    async def _progress(self) -> None:
+        while time.monotonic() < self._progress_until:
+            try:
+                self.agent.get_new_notifs()      # a prefill agent receives none: progress only
+            except Exception:
+                return
+            await asyncio.sleep(_POLL_MAX_S)
 
     def checksums(self, block_ids: list[int]) -> torch.Tensor:
         """The pool's blocks' checksums, queued on the side stream (no sync)."""
@@ -323,6 +347,8 @@ class NixlKVSender(KVSender):
         return _NixlSendStream(self, request_id, target, peer, remote)
 
     async def close(self) -> None:
+        if self._progressing is not None:
+            self._progressing.cancel()
         for remote in self._remotes.values():
             try:
                 self.agent.remove_remote_agent(remote)

@@ -27,9 +27,9 @@ workers on a private network.
 
 Devices (`MessageTensors`): every tensor of a message lives on the pool's device (NCCL moves
 only device memory; gloo pools are on the CPU), receive buffers too; header and meta are read
-back to the host after their receive. The blocks are gathered on the stream the engine computes
-on, behind the step that wrote them (NCCL's stream waits for it), so `ready` events are not
-waited for. Completion differs by backend: a gloo `wait()` returns once the bytes are out; an
+back to the host after their receive. The blocks are gathered (a copy) on the engine thread
+(`run_on_pool`) and on the stream the engine computes on, behind the step that wrote them (NCCL's
+stream waits for it), so `ready` events are not waited for; the channel's thread sends the copy. Completion differs by backend: a gloo `wait()` returns once the bytes are out; an
 NCCL `wait()` only makes the current stream (the engine's) wait, so the sender never calls it
 while sending (the transfer would stall the engine's next steps) and `finish` instead polls the
 last send's `is_completed()` (NCCL orders one peer's sends on one stream) before it returns.
