@@ -162,6 +162,7 @@ class EngineConfig:
     enforce_eager: bool = False          # no CUDA graphs for decode-only steps
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory this engine may use
     max_request_kv_share: float = 1.0    # most of the KV pool one request (all choices) may need
+    quantization: str = "none"           # "int8": weight-only int8 linear layers (at load)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -183,6 +184,8 @@ class EngineConfig:
         if not 1 <= self.spec_ngram_min <= self.spec_ngram_max:
             raise ValueError(f"n-gram sizes need 1 <= spec_ngram_min <= spec_ngram_max, got "
                              f"{self.spec_ngram_min}, {self.spec_ngram_max}")
+        if self.quantization not in ("none", "int8"):
+            raise ValueError(f"quantization must be 'none' or 'int8', got {self.quantization!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("attention_backend must be 'auto', 'torch' or 'triton', got "
                              f"{self.attention_backend!r}")

@@ -68,7 +68,8 @@ class ModelRunner:
         self.sizes = BufferSizes(cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_blocks)
         self.backend = create_backend(cfg.attention_backend, m, cfg.block_size, self.dtype,
                                       self.device, self.sizes)
-        opts = LayerOptions(self.backend, linear_method_for(self.device, self.dtype))
+        opts = LayerOptions(self.backend, linear_method_for(self.device, self.dtype,
+                                                            cfg.quantization))
         if model is not None:
             self.model = model
         elif random_weights:

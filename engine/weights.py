@@ -10,6 +10,7 @@ filled completely; then each layer's method prepares its weights once
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -19,6 +20,8 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.layers import LayerOptions
 from engine.models import model_class
+
+log = logging.getLogger(__name__)
 
 
 def _target(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
@@ -41,12 +44,27 @@ def build_empty(cfg: ModelConfig, opts: LayerOptions, dtype: torch.dtype,
     return model
 
 
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (packed and quantized weights too), each
+    storage counted once (tied weights)."""
+    seen: dict[int, int] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.device.type != "meta":
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
 def finish(model: nn.Module) -> nn.Module:
-    """Tie weights and let every layer prepare its loaded weights."""
+    """Tie weights and let every layer prepare its loaded weights (packing, quantizing); the log
+    says the weights' memory before and after."""
     model.tie_weights()
+    before = weight_bytes(model)
+    methods = sorted({m.method.name for m in model.modules() if hasattr(m, "method")})
     for m in model.modules():
         if hasattr(m, "process_weights_after_loading"):
             m.process_weights_after_loading()
+    log.info("weights: %.1f MiB as loaded, %.1f MiB prepared (linear layers: %s)",
+             before / 2**20, weight_bytes(model) / 2**20, ", ".join(methods) or "none")
     return model.eval()
 
 

@@ -1,4 +1,6 @@
-"""fp32 linear layers on x86 CPUs with AVX2: y = x @ W.T (+ b) with W packed once, at load time.
+"""fp32 linear layers on x86 CPUs with AVX2: y = x @ W.T (+ b) with W packed once, at load time;
+and weight-only int8 ones (`quantize_int8`, `pack_int8`, `linear_int8`): the same panels of
+int8, a quarter of the memory to stream, widened to fp32 in registers.
 
 The kernel (csrc/cpu_linear.cpp) streams each 16-feature panel of the weight from memory once
 per call (prefetching the next one into L2 while it computes) and reuses it from cache for every
@@ -65,6 +67,8 @@ def _library() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.pdserve_linear_pack.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
     lib.pdserve_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.pdserve_linear_pack_i8.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
+    lib.pdserve_linear_i8.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_int]
     lib.pdserve_linear_panel.restype = i64
     if lib.pdserve_linear_panel() != PANEL:
         log.warning("CPU linear kernel: panel width mismatch, using torch's")
@@ -94,6 +98,66 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight-only int8, per output channel, symmetric: W ~= q * scale[:, None] with q in
+    [-127, 127] and scale = max|W[n]| / 127 (1 for an all-zero row). -> (q int8 [N, K],
+    scale float32 [N])."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def reference_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Dequantize, then matmul: what `linear_int8` must match."""
+    return F.linear(x, q.float() * scale[:, None], bias)
+
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """An int8 [N, K] weight in the same panels as `pack` (int8 elements)."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("CPU linear kernel unavailable (see available())")
+    if q.device.type != "cpu" or q.dtype != torch.int8:
+        raise ValueError(f"weight must be an int8 CPU tensor, got {q.dtype} on {q.device}")
+    w = q.detach().contiguous()
+    n, k = w.shape
+    out = torch.empty(-(-n // PANEL) * PANEL * k, dtype=torch.int8)
+    lib.pdserve_linear_pack_i8(w.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def linear_int8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_features: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x[..., K] @ (q * scale).T (+ bias) with q from `pack_int8`, scale and bias from
+    `pad_bias` (padded to whole panels)."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("CPU linear kernel unavailable (see available())")
+    _check(x, "input")
+    _check(scale, "scale")
+    k = x.shape[-1]
+    padded = -(-out_features // PANEL) * PANEL
+    if packed.dtype != torch.int8 or packed.numel() != padded * k or scale.numel() != padded:
+        raise ValueError(f"packed int8 weight or scale does not hold {out_features} x {k}")
+    return _rows(x, out_features, lambda x2, m, y: lib.pdserve_linear_i8(
+        x2.data_ptr(), m, k, packed.data_ptr(), out_features, scale.data_ptr(),
+        bias.data_ptr() if bias is not None else None, y.data_ptr(), torch.get_num_threads()))
+
+
+def _rows(x: torch.Tensor, out_features: int, call) -> torch.Tensor:
+    """y [..., out_features] for x [..., K]: `call(x2, m, y)` fills y [m, out_features] from
+    the m contiguous rows x2 (not called for no rows)."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    m = x2.shape[0]
+    y = torch.empty(m, out_features, dtype=torch.float32)
+    if m:
+        call(x2, m, y)
+    return y.view(*x.shape[:-1], out_features)
+
+
 def pad_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
     """A bias zero-padded to whole panels, as `linear` reads it."""
     if bias is None:
@@ -115,11 +179,6 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     k = x.shape[-1]
     if packed.numel() != -(-out_features // PANEL) * PANEL * k:
         raise ValueError(f"packed weight does not hold {out_features} x {k}")
-    x2 = x.reshape(-1, k).contiguous()
-    m = x2.shape[0]
-    y = torch.empty(m, out_features, dtype=torch.float32)
-    if m:
-        lib.pdserve_linear(x2.data_ptr(), m, k, packed.data_ptr(), out_features,
-                           bias.data_ptr() if bias is not None else None, y.data_ptr(),
-                           torch.get_num_threads())
-    return y.view(*x.shape[:-1], out_features)
+    return _rows(x, out_features, lambda x2, m, y: lib.pdserve_linear(
+        x2.data_ptr(), m, k, packed.data_ptr(), out_features,
+        bias.data_ptr() if bias is not None else None, y.data_ptr(), torch.get_num_threads()))

@@ -58,6 +58,7 @@ def build_engine(args, role: str):
                        enforce_eager=args.enforce_eager,
                        gpu_memory_utilization=args.gpu_memory_utilization,
                        max_request_kv_share=getattr(args, "max_request_kv_share", 1.0),
+                       quantization=args.quantization,
                        **resolve_device_defaults(args), **_spec_config(args))
     gib = args.kv_cache_gib or (0.0 if cfg.device.startswith("cuda") else 1.0)
     if cfg.num_blocks == 0 and gib > 0:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.linear import (Avx2Method, DenseMethod, Linear, MergedLinear,
+from engine.layers.linear import (Avx2Method, DenseMethod, Int8Method, Linear, MergedLinear,
                                   linear_method_for, packed_copy)
 from kernels import cpu_linear
 
@@ -39,16 +39,21 @@ def test_builds_on_this_host(tmp_path, monkeypatch):
     assert not list((tmp_path / "fresh").iterdir())  # no half-written library left behind
 
 
+def _case(m: int, n: int, k: int, with_bias: bool):
+    """x [m, k], w [n, k] at unit output scale, and a bias or None: seeded by the shape."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    return x, w, torch.randn(n, generator=g) if with_bias else None
+
+
 @needs_kernel
 @pytest.mark.parametrize("m,n,k", [(1, 16, 8), (1, 40, 24), (5, 48, 64), (6, 16, 576),
                                    (7, 33, 100), (9, 960, 576), (13, 576, 1536), (64, 80, 96),
                                    (3, 1, 5)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_torch(m, n, k, with_bias):
-    g = torch.Generator().manual_seed(m * 1000 + n + k)
-    x = torch.randn(m, k, generator=g)
-    w = torch.randn(n, k, generator=g) / k ** 0.5
-    b = torch.randn(n, generator=g) if with_bias else None
+    x, w, b = _case(m, n, k, with_bias)
     y = cpu_linear.linear(x, cpu_linear.pack(w), n, cpu_linear.pad_bias(b))
     ref = cpu_linear.reference(x.double(), w.double(), None if b is None else b.double())
     assert y.shape == (m, n) and y.dtype == torch.float32
@@ -141,3 +146,71 @@ def test_linearbench_times_every_backend_of_the_model_shapes(model_dir, tmp_path
     assert got["flops_per_row"] == 2 * (576 * (576 + 2 * 192) + 576 * 576 + 576 * 2 * 1536
                                         + 1536 * 576 + 576 * 49152)
     assert "avx2/torch" in proc.stdout or not cpu_linear.available()
+
+
+# ------------------------------------------------------------------ weight-only int8
+def test_int8_quantization_is_per_channel_symmetric_within_half_a_step():
+    w = torch.randn(40, 24) * torch.logspace(-3, 1, 40)[:, None]    # rows of every scale
+    w[7] = 0.0
+    q, scale = cpu_linear.quantize_int8(w)
+    assert q.dtype == torch.int8 and scale.shape == (40,) and int(q.abs().max()) == 127
+    assert (q.float() * scale[:, None] - w).abs().le(scale[:, None] / 2 + 1e-7).all()
+    assert scale[7] == 1.0 and not q[7].any()            # an all-zero row stays zero
+
+
+@needs_kernel
+@pytest.mark.parametrize("m,n,k", [(1, 16, 8), (1, 40, 24), (5, 48, 64), (7, 33, 100),
+                                   (9, 960, 576), (13, 576, 1536), (3, 1, 5)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_kernel_matches_dequantize_then_matmul(m, n, k, with_bias):
+    x, w, b = _case(m, n, k, with_bias)
+    q, scale = cpu_linear.quantize_int8(w)
+    y = cpu_linear.linear_int8(x, cpu_linear.pack_int8(q), cpu_linear.pad_bias(scale), n,
+                               cpu_linear.pad_bias(b))
+    ref = cpu_linear.reference_int8(x.double(), q, scale.double(),
+                                    None if b is None else b.double())
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=2e-6 * k ** 0.5)
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_int8_layers_quantize_after_loading_and_drop_the_float_weight(kernel):
+    if kernel and not cpu_linear.cpu_supported():
+        pytest.skip("the int8 kernel targets AVX2 x86 CPUs")
+    w, b = torch.randn(40, 24), torch.randn(40)
+    x = torch.randn(5, 24)
+    layer = packed_copy(w, Int8Method(kernel=kernel), b)
+    q, scale = cpu_linear.quantize_int8(w)
+    with torch.inference_mode():
+        got = layer(x)
+    torch.testing.assert_close(got, cpu_linear.reference_int8(x, q, scale, b), rtol=1e-5,
+                               atol=1e-5)
+    assert layer.weight is None
+    assert (got - F.linear(x, w, b)).abs().max() < 0.05 * F.linear(x, w, b).abs().max()
+    chosen = linear_method_for(torch.device("cpu"), torch.float32, "int8")
+    assert isinstance(chosen, Int8Method) and chosen.kernel == cpu_linear.available()
+    with pytest.raises(ValueError, match="quantization"):
+        linear_method_for(torch.device("cpu"), torch.float32, "int3")
+
+
+def test_an_int8_engine_holds_under_half_the_weight_memory_and_decodes(model_dir):
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.request import Request, SamplingParams
+    from engine.weights import weight_bytes
+
+    engines = {q: Engine(model_dir, EngineConfig(role="decode", num_blocks=16, block_size=16,
+                                                 quantization=q)) for q in ("none", "int8")}
+    sizes = {q: weight_bytes(e.model) for q, e in engines.items()}
+    # the tied embedding stays fp32 beside the int8 lm_head: 114 of the ~240 MiB left
+    assert sizes["int8"] < 0.5 * sizes["none"]
+    tokens = {}
+    for q, e in engines.items():
+        e.add_request(Request("r", list(range(100, 120)), SamplingParams(temperature=0,
+                                                                         max_tokens=4)))
+        while e.has_work():
+            for o in e.step():
+                tokens.setdefault(q, []).extend(o.new_token_ids)
+    assert len(tokens["int8"]) == 4 and tokens["int8"][0] == tokens["none"][0]
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(role="decode", quantization="int4-nonsense")

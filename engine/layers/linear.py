@@ -15,6 +15,7 @@ How a layer computes is its LinearMethod, chosen when the model is built (`linea
   (`pdserve linearbench`). A row's result does not depend on the rest of the batch.
 - `OneDnnMethod` elsewhere on fp32 CPUs with torch's oneDNN ops (AVX-512, AMX): the weight packed
   once in oneDNN's layout instead of MKL repacking it on every small-batch call.
+- `Int8Method` (--quantization int8): weight-only int8 per output channel, quantized at load.
 The packed methods drop the plain weight after packing (a tied one stays with its other user).
 """
 
@@ -88,8 +89,50 @@ class OneDnnMethod(LinearMethod):
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
 
 
-def linear_method_for(device: torch.device, dtype: torch.dtype) -> LinearMethod:
-    """The method this host runs best for weights of `dtype` on `device`."""
+class Int8Method(LinearMethod):
+    """Weight-only int8, per output channel, symmetric (quantized at load: any checkpoint):
+    W ~= q * scale. On AVX2 fp32 CPUs the int8 panels of kernels/cpu_linear.py (a quarter of
+    the bytes to stream: faster where decode is memory-bound); elsewhere the torch reference,
+    dequantize-then-matmul (correct, not fast: a GPU kernel is still to come)."""
+
+    name = "int8"
+
+    def __init__(self, kernel: bool) -> None:
+        self.kernel = kernel
+
+    def process_weights_after_loading(self, layer: "Linear") -> None:
+        q, scale = cpu_linear.quantize_int8(layer.weight)
+        device = layer.weight.device
+        if self.kernel:
+            layer.register_buffer("packed", cpu_linear.pack_int8(q), persistent=False)
+            layer.register_buffer("scale", cpu_linear.pad_bias(scale), persistent=False)
+            layer.register_buffer("packed_bias", cpu_linear.pad_bias(layer.bias),
+                                  persistent=False)
+        else:
+            layer.register_buffer("qweight", q.to(device), persistent=False)
+            layer.register_buffer("scale", scale.to(device), persistent=False)
+        _drop_weight(layer)
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        if self.kernel:
+            return cpu_linear.linear_int8(x, layer.packed, layer.scale, layer.out_features,
+                                          layer.packed_bias)
+        w = layer.qweight.to(x.dtype) * layer.scale.to(x.dtype)[:, None]
+        return F.linear(x, w, layer.bias)
+
+
+QUANTIZATIONS = ("none", "int8")
+
+
+def linear_method_for(device: torch.device, dtype: torch.dtype,
+                      quantization: str = "none") -> LinearMethod:
+    """The method this host runs best for weights of `dtype` on `device`, quantized as
+    `quantization` says ("none", "int8")."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if quantization == "int8":
+        return Int8Method(kernel=device.type == "cpu" and dtype == torch.float32
+                          and cpu_linear.available())
     if device.type == "cpu" and dtype == torch.float32:
         if cpu_linear.available():
             return Avx2Method()

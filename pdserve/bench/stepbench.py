@@ -75,7 +75,8 @@ def run(args) -> dict:
     eng = Engine(resolve_model(args.model),
                  EngineConfig(num_blocks=blocks, max_num_seqs=args.batch,
                               max_num_batched_tokens=budget,
-                              attention_backend=args.attention_backend))
+                              attention_backend=args.attention_backend,
+                              quantization=args.quantization))
     spent = _time_linears(eng.model)
     gen = torch.Generator().manual_seed(args.seed)
     vocab = eng.model_cfg.vocab_size
