@@ -373,3 +373,19 @@ def test_silu_and_mul(dtype):
     _rounded_like(out, silu_and_mul_ref(x), dtype)
     want = F.silu(x[:, :inter].float()) * x[:, inter:].float()
     _close(out, want, dtype, tol=TOL[dtype])
+
+
+# ------------------------------------------------------------------ weight-only int8 linear
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,with_bias", [(1, 70, 96, False), (5, 64, 64, True),
+                                             (20, 33, 130, True), (0, 16, 16, False)])
+def test_int8_linear_matches_dequantize_then_matmul(dtype, m, n, k, with_bias):
+    from kernels.triton_int8_linear import int8_linear, int8_linear_ref
+    g = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8).to(DEVICE)
+    scale = (torch.rand(n, generator=g) / (127 * k ** 0.5)).to(DEVICE)
+    bias = torch.randn(n, generator=g).to(DEVICE, dtype) if with_bias else None
+    got = int8_linear(x, q, scale, bias)
+    assert got.shape == (m, n) and got.dtype == dtype
+    _close(got, int8_linear_ref(x, q, scale, bias), dtype)

@@ -92,8 +92,9 @@ class OneDnnMethod(LinearMethod):
 class Int8Method(LinearMethod):
     """Weight-only int8, per output channel, symmetric (quantized at load: any checkpoint):
     W ~= q * scale. On AVX2 fp32 CPUs the int8 panels of kernels/cpu_linear.py (a quarter of
-    the bytes to stream: faster where decode is memory-bound); elsewhere the torch reference,
-    dequantize-then-matmul (correct, not fast: a GPU kernel is still to come)."""
+    the bytes to stream: faster where decode is memory-bound); on CUDA the Triton kernel of
+    kernels/triton_int8_linear.py (int8 tiles widened in registers); elsewhere the torch
+    reference, dequantize-then-matmul (correct, not fast)."""
 
     name = "int8"
 
@@ -117,6 +118,9 @@ class Int8Method(LinearMethod):
         if self.kernel:
             return cpu_linear.linear_int8(x, layer.packed, layer.scale, layer.out_features,
                                           layer.packed_bias)
+        if x.is_cuda:
+            from kernels.triton_int8_linear import int8_linear
+            return int8_linear(x, layer.qweight, layer.scale, layer.bias)
         w = layer.qweight.to(x.dtype) * layer.scale.to(x.dtype)[:, None]
         return F.linear(x, w, layer.bias)
 
