@@ -115,16 +115,12 @@ def test_prefill_blocks_stay_until_save_done_whatever_ends_the_request_first():
 # ------------------------------------------------------------------ the engine's sink
 def test_the_engine_sink_writes_only_live_loads_and_checks_before_the_request_runs(model_dir):
     from engine.async_engine import AsyncEngine
-    from engine.engine import Engine
     from kvtransfer.connector import EngineSink
     from kvtransfer.integrity import checksums
     from pdserve.metrics import WorkerMetrics
 
-    engine = Engine(model_dir, EngineConfig(role="decode", num_blocks=16, block_size=4,
-                                            max_num_batched_tokens=16))
-    lay = engine.layout
-    data = torch.randn(lay.num_layers, 2, 2, lay.block_size, lay.num_kv_heads, lay.head_dim,
-                       generator=torch.Generator().manual_seed(3))
+    engine = _decode_engine(model_dir)
+    data = _two_blocks(engine, seed=3)
 
     async def body():
         aengine = AsyncEngine(engine)
@@ -184,6 +180,13 @@ def _decode_engine(model_dir, **kw):
                                           max_num_batched_tokens=16, **kw))
 
 
+def _two_blocks(engine, seed: int) -> torch.Tensor:
+    """Random KV of two blocks in the engine's layout, as a sender would send it."""
+    lay = engine.layout
+    return torch.randn(lay.num_layers, 2, 2, lay.block_size, lay.num_kv_heads, lay.head_dim,
+                       generator=torch.Generator().manual_seed(seed))
+
+
 def test_writes_past_the_bound_wait_their_turn_and_the_request_runs_on_them(model_dir,
                                                                               monkeypatch):
     import kvtransfer.connector as connector
@@ -193,9 +196,7 @@ def test_writes_past_the_bound_wait_their_turn_and_the_request_runs_on_them(mode
 
     monkeypatch.setattr(connector, "MAX_PENDING_BYTES", 1)     # every write waits for the last
     engine = _decode_engine(model_dir)
-    lay = engine.layout
-    data = torch.randn(lay.num_layers, 2, 2, lay.block_size, lay.num_kv_heads, lay.head_dim,
-                       generator=torch.Generator().manual_seed(5))
+    data = _two_blocks(engine, seed=5)
 
     async def body():
         aengine = AsyncEngine(engine)
