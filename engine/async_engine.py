@@ -68,6 +68,8 @@ class AsyncEngine:
         self._stop.set()
         self._cmds.put(None)
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():      # else it may be inside a collective: leave it
+            self.engine.close()
 
     # ------------------------------------------------------------------ API (loop thread)
     def _call(self, fn: Callable, *args) -> asyncio.Future:

@@ -163,6 +163,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory this engine may use
     max_request_kv_share: float = 1.0    # most of the KV pool one request (all choices) may need
     quantization: str = "none"           # "int8": weight-only int8 linear layers (at load)
+    tensor_parallel_size: int = 1        # ranks the model is split over (engine.parallel)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -186,6 +187,8 @@ class EngineConfig:
                              f"{self.spec_ngram_min}, {self.spec_ngram_max}")
         if self.quantization not in ("none", "int8"):
             raise ValueError(f"quantization must be 'none' or 'int8', got {self.quantization!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("attention_backend must be 'auto', 'torch' or 'triton', got "
                              f"{self.attention_backend!r}")
@@ -221,9 +224,13 @@ class EngineConfig:
 
 
 def kv_bytes_per_block(model: ModelConfig, engine: EngineConfig) -> int:
-    """Bytes one block takes across all layers (K and V)."""
+    """Bytes one block takes across all layers (K and V) on one rank: its own KV heads under
+    tensor parallelism (engine.parallel.head_range)."""
+    from engine.parallel import head_range
+
     elem = torch.empty((), dtype=engine.torch_dtype).element_size()
-    return 2 * model.num_layers * engine.block_size * model.num_kv_heads * model.head_dim * elem
+    heads = head_range(model.num_kv_heads, engine.tensor_parallel_size, 0)[1]
+    return 2 * model.num_layers * engine.block_size * heads * model.head_dim * elem
 
 
 def blocks_for_gib(model: ModelConfig, engine: EngineConfig, gib: float) -> int:

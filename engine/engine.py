@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -17,6 +17,7 @@ from engine.block_hash import BlockHasher
 from engine.block_pool import BlockPool, KVCacheManager
 from engine.config import EngineConfig, ModelConfig, parse_speculative
 from engine.model_runner import ModelRunner, StepInputs, StepResult
+from engine.parallel import check_split, init_group, rank_device, start_followers
 from engine.request import MAX_CHOICES, Request, RequestOutput, Status, TokenLogprob
 from engine.sampler import RowSampling
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -28,13 +29,17 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class KVLayout:
-    """The shape of one block across the pool; both ends of a KV transfer must agree on it."""
+    """The shape of one block across the pool; both ends of a KV transfer must agree on it, all
+    but `tensor_parallel_size`: on the wire a block always holds every KV head in order, and each
+    side's rank 0 assembles them from (or splits them to) its ranks, rank r holding heads
+    engine.parallel.head_range(num_kv_heads, tensor_parallel_size, r)."""
 
     dtype: str
     block_size: int
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    tensor_parallel_size: int = field(default=1, compare=False)
 
 
 @dataclass
@@ -79,11 +84,12 @@ class Engine:
             raise ValueError("a draft model's KV pool is not budgeted when the pool is sized "
                              "from GPU memory: give --kv-cache-gib or --num-blocks with "
                              "--speculative draft:PATH")
-        self.runner = ModelRunner(model_dir, self.model_cfg, cfg, model, random_weights)
+        self.runner = self._runner(model_dir, cfg, model, random_weights)
         cfg = replace(cfg, num_blocks=self.runner.num_blocks)
         self.cfg = cfg
         m = self.model_cfg
-        self.layout = KVLayout(cfg.compute_dtype, cfg.block_size, m.num_layers, m.num_kv_heads, m.head_dim)
+        self.layout = KVLayout(cfg.compute_dtype, cfg.block_size, m.num_layers, m.num_kv_heads,
+                               m.head_dim, cfg.tensor_parallel_size)
         self.pool = BlockPool(cfg.num_blocks)
         hasher = BlockHasher(cfg.block_size, cfg.hash_seed) if cfg.enable_prefix_caching else None
         self.kv_manager = KVCacheManager(self.pool, cfg.block_size, hasher)
@@ -92,6 +98,35 @@ class Engine:
         self.last_step: StepStats | None = None
         self.proposer, self.spec = self._speculation(draft_model)
         self._proposals: dict[str, Proposal] = {}    # this step's, by request id
+
+    def _runner(self, model_dir, cfg: EngineConfig, model, random_weights: bool) -> ModelRunner:
+        """This engine's runner; with tensor_parallel_size N, rank 0's, after starting ranks
+        1..N-1 (engine.parallel)."""
+        n = cfg.tensor_parallel_size
+        if n == 1:
+            return ModelRunner(model_dir, self.model_cfg, cfg, model, random_weights)
+        check_split(self.model_cfg, n)
+        if model is not None:
+            raise ValueError("a model object cannot be split over tensor-parallel ranks: give "
+                             "its folder")
+        port, procs = start_followers(model_dir, self.model_cfg, cfg, torch.get_num_threads(),
+                                      random_weights)
+        try:
+            tp = init_group(0, n, port, rank_device(cfg.device, 0))
+            runner = ModelRunner(model_dir, self.model_cfg, cfg, None, random_weights, tp=tp)
+        except BaseException:
+            for p in procs:
+                p.terminate()
+            raise
+        runner._followers = procs
+        log.info("tensor parallel: %d ranks (%s), KV heads per rank %d", n,
+                 ", ".join(rank_device(cfg.device, r) for r in range(n)),
+                 runner.local_cfg.num_kv_heads)
+        return runner
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do with one)."""
+        self.runner.close()
 
     def _speculation(self, draft_model):
         kind, path = parse_speculative(self.cfg.speculative)
@@ -111,8 +146,9 @@ class Engine:
 
     @property
     def kv(self) -> torch.Tensor:
-        """kv[layer, k_or_v, block, slot, kv_head, head_dim]; see engine.block_pool."""
-        return self.runner.kv
+        """kv[layer, k_or_v, block, slot, kv_head, head_dim]; see engine.block_pool. Tensor
+        parallel: the pool as rank 0's transports see it (engine.parallel.ShardedKV)."""
+        return self.runner.pool
 
     # ------------------------------------------------------------------ requests
     def check_fits(self, req: Request) -> None:

@@ -11,6 +11,11 @@ the CUDA graphs of decode-only steps (engine.cuda_graphs) and the sampler. One s
 The Engine keeps orchestration (scheduler, speculation, outputs) and hands the runner a
 `StepInputs`. On CUDA without a given pool size the KV pool takes what `gpu_memory_utilization`
 leaves after the weights, a profiled forward pass at the step's token budget and the graphs.
+
+Tensor parallel (engine.parallel): every rank builds a runner over its shards; rank 0's runner
+is the engine's and sends each step, block copy, read and write of the pool to the others as a
+command (`follow` is the other ranks' loop), so all ranks run the same collectives in the same
+order. Decode steps run eagerly there (no CUDA graphs across ranks yet).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from engine.config import EngineConfig, ModelConfig, kv_bytes_per_block
 from engine.cuda_graphs import DecodeGraphs
 from engine.layers import LayerOptions
 from engine.layers.linear import linear_method_for
+from engine.parallel import SINGLE, ShardedKV, TPGroup, check_split, head_range, local_config
 from engine.request import SamplingParams, TokenLogprob
 from engine.sampler import RowSampling, Sampler
 from engine.step_buffers import StepBuffers
@@ -58,35 +64,42 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model_dir: str | Path | None, model_cfg: ModelConfig, cfg: EngineConfig,
-                 model: torch.nn.Module | None = None, random_weights: bool = False) -> None:
+                 model: torch.nn.Module | None = None, random_weights: bool = False,
+                 tp: TPGroup = SINGLE) -> None:
         self.cfg, self.model_cfg = cfg, model_cfg
+        check_split(model_cfg, tp.size)
+        self.tp = tp
         self.device = torch.device(cfg.device)
         self.bind_thread()
         self.dtype = cfg.torch_dtype
-        m = model_cfg
+        m = local_config(model_cfg, tp)          # this rank's heads
         self.max_blocks = -(-cfg.max_model_len // cfg.block_size)
         self.sizes = BufferSizes(cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_blocks)
         self.backend = create_backend(cfg.attention_backend, m, cfg.block_size, self.dtype,
                                       self.device, self.sizes)
         opts = LayerOptions(self.backend, linear_method_for(self.device, self.dtype,
-                                                            cfg.quantization))
+                                                            cfg.quantization), tp)
+        self.local_cfg, m_full = m, model_cfg
         if model is not None:
             self.model = model
         elif random_weights:
-            self.model = random_model(m, opts, self.dtype, self.device)
+            self.model = random_model(m_full, opts, self.dtype, self.device, seed=tp.rank)
         else:
-            self.model = load_model(model_dir, self.dtype, self.device, m, opts,
+            self.model = load_model(model_dir, self.dtype, self.device, m_full, opts,
                                     round_to=cfg.weight_dtype)
         self.sampler = Sampler(m.eos_token_ids)
         self.buffers = self._new_buffers(self.sizes)
         self.num_blocks = cfg.num_blocks or self._blocks_from_memory()
         self.kv = torch.zeros(m.num_layers, 2, self.num_blocks, cfg.block_size, m.num_kv_heads,
                               m.head_dim, dtype=self.dtype, device=self.device)
+        self.pool = self.kv if tp.size == 1 else ShardedKV(self, model_cfg.num_kv_heads)
         self.graphs = None
-        if self.device.type == "cuda" and self.backend.cuda_graphs and not cfg.enforce_eager:
+        if (self.device.type == "cuda" and self.backend.cuda_graphs and not cfg.enforce_eager
+                and tp.size == 1):
             self.graphs = DecodeGraphs(self, self.max_graph_batch)
             self.graphs.capture()
         self._plan = None
+        self._followers: list = []
 
     @property
     def max_graph_batch(self) -> int:
@@ -146,7 +159,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ one step
     def execute(self, inp: StepInputs) -> StepResult:
-        """Forward pass over the step and sampling of its sampled rows."""
+        """Forward pass over the step and sampling of its sampled rows (tensor parallel: every
+        rank runs the forward pass; rank 0 samples)."""
+        if self.tp.size > 1:
+            self.tp.command(("step", inp.token_ids, inp.batch, inp.sample_rows))
+        return self._execute(inp)
+
+    def _execute(self, inp: StepInputs) -> StepResult:
         batch = inp.batch
         t, b = len(inp.token_ids), len(batch.q_lens)
         bucket = None
@@ -176,9 +195,84 @@ class ModelRunner:
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy KV blocks src -> dst in every layer (forked choices), on the current stream."""
+        if self.tp.size > 1:
+            self.tp.command(("copy", pairs))
+        self._copy_blocks(pairs)
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([a for a, _ in pairs], dtype=torch.long, device=self.device)
         dst = torch.tensor([b for _, b in pairs], dtype=torch.long, device=self.device)
         self.kv[:, :, dst] = self.kv[:, :, src]
+
+    # ------------------------------------------------------------------ tensor parallel
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Rank 0: kv[:, :, block_ids] with every rank's heads, in head order
+        [layers, 2, n, block_size, all KV heads, head_dim] (a replicated head taken once)."""
+        self.tp.command(("read", block_ids))
+        return self._read_blocks(block_ids)
+
+    def _read_blocks(self, block_ids: list[int]) -> torch.Tensor | None:
+        import torch.distributed as dist
+
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        local = self.kv.index_select(2, index).contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.tp.size)] if self.tp.leader \
+            else None
+        dist.gather(local, parts, dst=0)
+        if not self.tp.leader:
+            return None
+        kvh, covered, heads = self.model_cfg.num_kv_heads, 0, []
+        for rank, part in enumerate(parts):
+            first, _ = head_range(kvh, self.tp.size, rank)
+            if first == covered:                  # the first rank holding these heads
+                heads.append(part)
+                covered += part.shape[4]
+        return torch.cat(heads, dim=4)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Rank 0: kv[:, :, block_ids] = data (all KV heads), each rank taking its own."""
+        self.tp.command(("write", block_ids, tuple(data.shape)))
+        self._write_blocks(block_ids, data.to(self.device).contiguous())
+
+    def _write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        self.tp.broadcast(data)
+        first, n = head_range(self.model_cfg.num_kv_heads, self.tp.size, self.tp.rank)
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        self.kv.index_copy_(2, index, data[:, :, :, :, first:first + n])
+
+    def follow(self) -> None:
+        """Ranks 1..N-1: run rank 0's commands until it says stop."""
+        while True:
+            op, *args = self.tp.command()
+            if op == "step":
+                self._execute(StepInputs(args[0], args[1], args[2], []))
+            elif op == "copy":
+                self._copy_blocks(args[0])
+            elif op == "read":
+                self._read_blocks(args[0])
+            elif op == "write":
+                shape = args[1]
+                self._write_blocks(args[0], torch.empty(shape, dtype=self.dtype,
+                                                        device=self.device))
+            elif op == "stop":
+                return
+
+    def close(self) -> None:
+        """Rank 0 of a tensor-parallel group: stop the other ranks and leave the group."""
+        if self.tp.size == 1 or not self.tp.leader:
+            return
+        import torch.distributed as dist
+
+        try:
+            self.tp.command(("stop",))
+        finally:
+            for p in self._followers:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.terminate()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self.tp = SINGLE
 
     def bind_thread(self) -> None:
         """Make this runner's GPU the calling thread's current device (CUDA's current device is
@@ -209,7 +303,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         weights = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-        m = self.model_cfg
+        m = self.local_cfg
         kv = torch.zeros(m.num_layers, 2, 1, cfg.block_size, m.num_kv_heads, m.head_dim,
                          dtype=self.dtype, device=dev)
         self._profile_step(kv, cfg.max_num_batched_tokens)
@@ -225,8 +319,14 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(dev)
         non_torch = total - free - torch.cuda.memory_reserved(dev)
         budget = int(total * cfg.gpu_memory_utilization) - peak - non_torch - graph_reserve
-        per_block = kv_bytes_per_block(m, cfg)
+        per_block = kv_bytes_per_block(self.model_cfg, cfg)
         blocks = budget // per_block
+        if self.tp.size > 1:                     # every rank holds as many blocks
+            import torch.distributed as dist
+
+            least = torch.tensor([blocks], dtype=torch.long, device=dev)
+            dist.all_reduce(least, op=dist.ReduceOp.MIN)
+            blocks = int(least.item())
         if blocks < 1:
             raise ValueError(f"no room for KV blocks: {cfg.gpu_memory_utilization:.2f} of "
                              f"{total / 2**30:.1f} GiB minus weights {weights / 2**30:.2f} GiB, "
@@ -257,7 +357,7 @@ class ModelRunner:
         real_kv, self.kv = getattr(self, "kv", None), kv
         graphs, self.graphs = getattr(self, "graphs", None), None
         try:
-            self.execute(inp)
+            self._execute(inp)
         finally:
             self.kv, self.graphs = real_kv, graphs
         torch.cuda.synchronize(self.device)

@@ -3,9 +3,11 @@
 The model is constructed on the meta device, its parameters are then allocated on the target
 device and filled tensor by tensor: each checkpoint tensor goes to the module that owns its
 parameter, whose `weight_loader(param, tensor, shard)` decides where it lands (the shard of a
-merged q/k/v or gate/up projection, later a tensor-parallel slice). Every parameter must be
-filled completely; then each layer's method prepares its weights once
-(`process_weights_after_loading`: the CPU kernels' packed layouts).
+merged q/k/v or gate/up projection, a tensor-parallel rank's slice). Checkpoint tensors are
+handed over unread (`CheckpointTensor`): a loader reads only the rows or columns its rank holds,
+so no rank ever holds a full copy. Every parameter must be filled completely; then each layer's
+method prepares its weights once (`process_weights_after_loading`: the CPU kernels' packed
+layouts, quantization).
 """
 
 from __future__ import annotations
@@ -19,9 +21,31 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.layers import LayerOptions
+from engine.layers.linear import materialize
 from engine.models import model_class
 
 log = logging.getLogger(__name__)
+
+
+class CheckpointTensor:
+    """A safetensors tensor not yet read: `shape`, `narrow(dim, start, length)` (reads that
+    slice only) and `load()` (all of it), rounded to `round_to` when given."""
+
+    def __init__(self, st, name: str, round_to: torch.dtype | None = None) -> None:
+        self._st, self._name = st, name
+        self._slice = st.get_slice(name)
+        self.shape = torch.Size(self._slice.get_shape())
+        self.round_to = round_to
+
+    def _done(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.round_to is None else t.to(self.round_to)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * dim + [slice(start, start + length)]
+        return self._done(self._slice[tuple(index)])
+
+    def load(self) -> torch.Tensor:
+        return self._done(self._st.get_tensor(self._name))
 
 
 def _target(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
@@ -73,12 +97,12 @@ def _loader(model: nn.Module, name: str):
     module = model.get_submodule(module_name)
     loader = getattr(module, "weight_loader", None)
     param = getattr(module, attr)
-    if loader is None:
+    if loader is None:                       # a replicated parameter (norms)
         def loader(p, loaded, shard=None):
-            if shard is not None or loaded.shape != p.shape:
+            if shard is not None or tuple(loaded.shape) != tuple(p.shape):
                 raise ValueError(f"checkpoint gives {tuple(loaded.shape)}, model expects "
                                  f"{tuple(p.shape)}")
-            p.data.copy_(loaded)
+            p.data.copy_(materialize(loaded))
     return param, loader
 
 
@@ -108,12 +132,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
                     continue
                 if target not in params:
                     raise ValueError(f"{f.name}: unexpected tensor {name!r} for {cfg.family}")
-                tensor = st.get_tensor(name)
-                if round_to is not None:
-                    tensor = tensor.to(round_to)
                 param, loader = _loader(model, target)
                 try:
-                    loader(param, tensor.to(device=param.device, dtype=param.dtype), shard)
+                    loader(param, CheckpointTensor(st, name, round_to), shard)
                 except ValueError as exc:
                     raise ValueError(f"{target}: {exc}") from None
                 filled.setdefault(target, set()).add(shard)

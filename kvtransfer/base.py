@@ -35,7 +35,7 @@ import abc
 import asyncio
 import importlib
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Awaitable, Callable, Protocol
 
 import torch
@@ -54,9 +54,12 @@ class LayoutMismatch(KVTransferError):
 
 
 def check_layout(ours: KVLayout, theirs: KVLayout) -> None:
+    """LayoutMismatch unless the blocks mean the same on both sides (tensor-parallel sizes may
+    differ: blocks cross with every head, each side maps them to its ranks)."""
     if ours != theirs:
         a, b = asdict(ours), asdict(theirs)
-        diff = ", ".join(f"{k}: ours {a[k]} vs theirs {b[k]}" for k in a if a[k] != b[k])
+        shared = [f.name for f in fields(KVLayout) if f.compare]
+        diff = ", ".join(f"{k}: ours {a[k]} vs theirs {b[k]}" for k in shared if a[k] != b[k])
         raise LayoutMismatch(f"KV layout mismatch ({diff}); start both workers with the same "
                              "model, --dtype and --block-size")
 

@@ -33,6 +33,7 @@ sender that sends none; one that does not (--kv-checksum off) ignores those it i
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -76,8 +77,10 @@ def block_checksums(kv: torch.Tensor, block_ids) -> torch.Tensor:
     ids = [int(b) for b in block_ids]
     if not ids:
         return torch.zeros(0, dtype=torch.int64, device=kv.device)
-    if kv.device.type == "cpu":      # in place, a run of consecutive ids at a time (a view):
-        words = _words(kv)           # a gather would be a second pass over the blocks
+    if isinstance(kv, torch.Tensor) and kv.device.type == "cpu":
+        # in place, a run of consecutive ids at a time (a view): a gather would be a second
+        # pass over the blocks (a tensor-parallel pool, engine.parallel.ShardedKV, is gathered)
+        words = _words(kv)
         weights = _weights(words)
         runs = [[b for _, b in run]
                 for _, run in itertools.groupby(enumerate(ids), key=lambda t: t[1] - t[0])]
@@ -89,7 +92,8 @@ def block_checksums(kv: torch.Tensor, block_ids) -> torch.Tensor:
 def gathered_checksums(kv: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
     """block_checksums on a device: the blocks gathered in slices of at most GATHER_BYTES, a
     few kernels per slice rather than a few per block."""
-    per = max(1, GATHER_BYTES // (kv[:, :, 0].numel() * kv.element_size()))
+    per_block = kv.shape[0] * kv.shape[1] * math.prod(kv.shape[3:]) * kv.element_size()
+    per = max(1, GATHER_BYTES // per_block)
     index = host_to_device(torch.tensor(block_ids, dtype=torch.long), kv.device)
     return torch.cat([checksums(kv.index_select(2, index[i:i + per]))
                       for i in range(0, len(block_ids), per)])

@@ -15,11 +15,13 @@ from proto import pdserve_pb2 as pb
 def layout_to_pb(layout: KVLayout) -> pb.KVLayout:
     return pb.KVLayout(dtype=layout.dtype, block_size=layout.block_size,
                        num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
-                       head_dim=layout.head_dim)
+                       head_dim=layout.head_dim,
+                       tensor_parallel_size=layout.tensor_parallel_size)
 
 
 def layout_from_pb(m: pb.KVLayout) -> KVLayout:
-    return KVLayout(m.dtype, m.block_size, m.num_layers, m.num_kv_heads, m.head_dim)
+    return KVLayout(m.dtype, m.block_size, m.num_layers, m.num_kv_heads, m.head_dim,
+                    m.tensor_parallel_size or 1)
 
 
 def logprob_to_pb(lp: TokenLogprob) -> pb.TokenLogprob:

@@ -98,6 +98,12 @@ def _add_worker(p: argparse.ArgumentParser, role: str, port: int) -> None:
                    help="int8: weight-only int8 linear layers, per output channel, quantized "
                         "at load from any checkpoint (about a quarter of their memory; on "
                         "AVX2 CPUs faster where decode is memory-bound)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model over N ranks (processes): on CUDA --device and the "
+                        "N-1 GPUs after it, NCCL between them; on CPUs N processes over gloo, "
+                        "--threads each. The attention heads (and KV heads: replicated when "
+                        "fewer than N) and MLP columns split; prefill and decode workers may "
+                        "use different sizes")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: run decode-only steps eagerly too")
     p.add_argument("--max-num-batched-tokens", type=int, default=0,

@@ -4,7 +4,7 @@ Layout in Redis::
 
     pdserve:worker:<worker_id>   hash   id, role, address, model, block_size, hash_seed,
                                         dtype, num_layers, num_kv_heads, head_dim, total_blocks,
-                                        running, waiting, free_blocks, started_at,
+                                        tensor_parallel_size, running, waiting, free_blocks, started_at,
                                         expires_at, sig (HMAC of the other fields and the
                                         key with the deployment token: pdserve.cluster_auth)
                                  TTL    ttl_s, refreshed by every heartbeat
@@ -115,6 +115,7 @@ class WorkerInfo:
     num_kv_heads: int
     head_dim: int
     total_blocks: int
+    tensor_parallel_size: int = 1     # ranks; rank r holds KV heads engine.parallel.head_range
     running: int = 0
     waiting: int = 0
     free_blocks: int = 0

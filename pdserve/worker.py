@@ -47,6 +47,10 @@ def build_engine(args, role: str):
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    if args.tensor_parallel_size > 1 and args.kv_transport == "nixl":
+        raise ValueError("--kv-transport nixl cannot yet move the KV of a tensor-parallel "
+                         "worker (its pool is spread over the ranks); use --kv-transport grpc "
+                         "or torch with --tensor-parallel-size > 1")
     model_dir = resolve_model(args.model)
     model_cfg = ModelConfig.from_dir(model_dir)
     cfg = EngineConfig(role=role, compute_dtype=args.compute_dtype, device=args.device,
@@ -59,6 +63,7 @@ def build_engine(args, role: str):
                        gpu_memory_utilization=args.gpu_memory_utilization,
                        max_request_kv_share=getattr(args, "max_request_kv_share", 1.0),
                        quantization=args.quantization,
+                       tensor_parallel_size=args.tensor_parallel_size,
                        **resolve_device_defaults(args), **_spec_config(args))
     gib = args.kv_cache_gib or (0.0 if cfg.device.startswith("cuda") else 1.0)
     if cfg.num_blocks == 0 and gib > 0:
@@ -74,11 +79,13 @@ def build_engine(args, role: str):
     runner = engine.runner
     log.info("%s engine ready in %.1fs: %s on %s, weights %s, compute %s, attention %s%s, "
              "KV pool %d blocks x %d tokens = %d tokens, budget %d tokens / %d sequences a "
-             "step, %d threads", role, time.perf_counter() - t0, model_dir.name, cfg.device,
+             "step, %d threads%s", role, time.perf_counter() - t0, model_dir.name, cfg.device,
              cfg.dtype, cfg.compute_dtype, runner.backend.name,
              ", CUDA graphs" if runner.graphs is not None else "", cfg.num_blocks,
              cfg.block_size, cfg.num_blocks * cfg.block_size, cfg.max_num_batched_tokens,
-             cfg.max_num_seqs, torch.get_num_threads())
+             cfg.max_num_seqs, torch.get_num_threads(),
+             f" per rank, tensor parallel {cfg.tensor_parallel_size}"
+             if cfg.tensor_parallel_size > 1 else "")
     return engine, model_dir
 
 
@@ -255,7 +262,7 @@ async def serve(args, role: str, add_services: Callable) -> None:
                       block_size=lay.block_size, hash_seed=engine.cfg.hash_seed, dtype=lay.dtype,
                       num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
                       head_dim=lay.head_dim, total_blocks=engine.pool.num_blocks,
-                      started_at=time.time())
+                      tensor_parallel_size=lay.tensor_parallel_size, started_at=time.time())
     reg = WorkerRegistration(args.redis_url, info, load=aengine.load)
     publisher = None
     if kvm.hasher is not None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from engine.attention.base import AttentionBackend
 from engine.layers.linear import LinearMethod
+from engine.parallel import SINGLE, TPGroup
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,7 @@ class LayerOptions:
 
     attention: AttentionBackend     # also decides the norms' and activation's kernels
     linear: LinearMethod
+    tp: TPGroup = SINGLE            # this rank's tensor-parallel group (engine.parallel)
 
     @property
     def kernels(self) -> str:

@@ -4,8 +4,10 @@ A `Linear` holds weight [out_features, in_features] (and bias) as parameters; it
 `weight_loader(param, loaded, shard)` is what the model loader (engine.weights) calls for every
 checkpoint tensor that lands in one of them. `MergedLinear` is one matmul over several checkpoint
 projections stacked on the output dimension (q/k/v -> qkv_proj, gate/up -> gate_up_proj): shard
-i fills its own row range. Later formats (tensor-parallel shards, quantized checkpoints) bring
-their own loaders and methods; nothing is swapped after loading.
+i fills its own row range. Under tensor parallelism (engine.parallel) `MergedLinear` is
+column-parallel (each projection split on its own), `ColumnParallelLinear` splits the output
+(lm_head over the vocabulary) and `RowParallelLinear` the input, with an all-reduce; each loader
+reads only its rank's slice of the checkpoint tensor. Nothing is swapped after loading.
 
 How a layer computes is its LinearMethod, chosen when the model is built (`linear_method_for`);
 `process_weights_after_loading` lets the method repack the loaded weight once:
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.parallel import SINGLE, TPGroup
 from kernels import cpu_linear
 
 log = logging.getLogger(__name__)
@@ -145,13 +148,38 @@ def linear_method_for(device: torch.device, dtype: torch.dtype,
     return DenseMethod()
 
 
-def _copy_loader(param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None) -> None:
+def materialize(loaded) -> torch.Tensor:
+    """A loader's argument as a tensor: a tensor, or a checkpoint tensor read now in full
+    (engine.weights.CheckpointTensor: read lazily, so a rank reads only its slice)."""
+    return loaded if isinstance(loaded, torch.Tensor) else loaded.load()
+
+
+def _check_shape(loaded, want: tuple, what: str = "") -> None:
+    if tuple(loaded.shape) != tuple(want):
+        raise ValueError(f"{what}checkpoint gives {tuple(loaded.shape)}, model expects "
+                         f"{tuple(want)}")
+
+
+def _copy_loader(param: nn.Parameter, loaded, shard: int | None = None) -> None:
     if shard is not None:
         raise ValueError(f"a parameter of shape {tuple(param.shape)} takes no shards")
-    if loaded.shape != param.shape:
-        raise ValueError(f"checkpoint gives {tuple(loaded.shape)}, model expects "
-                         f"{tuple(param.shape)}")
-    param.data.copy_(loaded)
+    _check_shape(loaded, param.shape)
+    param.data.copy_(materialize(loaded))
+
+
+def _rows(loaded, start: int, n: int, dim: int = 0) -> torch.Tensor:
+    """Rows [start, start + n) of `loaded` along `dim`; rows past its end are zeros (a padded
+    vocabulary partition)."""
+    have = max(0, min(n, loaded.shape[dim] - start))
+    part = loaded.narrow(dim, start, have) if have else None
+    if have == n:
+        return part
+    shape = list(loaded.shape)
+    shape[dim] = n
+    out = torch.zeros(shape, dtype=part.dtype if part is not None else torch.float32)
+    if part is not None:
+        out.narrow(dim, 0, have).copy_(part)
+    return out
 
 
 class Linear(nn.Module):
@@ -168,8 +196,7 @@ class Linear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                      shard: int | None = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded, shard: int | None = None) -> None:
         _copy_loader(param, loaded, shard)
 
     def process_weights_after_loading(self) -> None:
@@ -183,33 +210,95 @@ class Linear(nn.Module):
                 f"method={self.method.name}")
 
 
+def _even(size: int, tp: TPGroup, what: str) -> int:
+    if size % tp.size:
+        raise ValueError(f"{what} {size} does not split over {tp.size} tensor-parallel ranks")
+    return size // tp.size
+
+
 class MergedLinear(Linear):
-    """One matmul over projections stacked on the output dim: shard i is rows
-    [sum(output_sizes[:i]), sum(output_sizes[:i + 1]))."""
+    """One matmul over projections stacked on the output dim (q/k/v -> qkv_proj, gate/up ->
+    gate_up_proj). Column-parallel under tensor parallelism: each checkpoint projection is split
+    on its own, shard i taking its rows `splits[i]` = (start, count) of the checkpoint tensor
+    (default: an even split by rank), stacked as rows [offsets[i], offsets[i] + count) here."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
-                 method: LinearMethod | None = None) -> None:
-        super().__init__(in_features, sum(output_sizes), bias, method)
-        self.output_sizes = list(output_sizes)
-        self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
+                 method: LinearMethod | None = None, tp: TPGroup = SINGLE,
+                 splits: list[tuple[int, int]] | None = None) -> None:
+        if splits is None:
+            splits = [(tp.rank * n, n) for n in
+                      (_even(s, tp, "output size") for s in output_sizes)]
+        local = [n for _, n in splits]
+        super().__init__(in_features, sum(local), bias, method)
+        self.tp = tp
+        self.full_sizes = list(output_sizes)
+        self.splits = list(splits)
+        self.output_sizes = local
+        self.offsets = [sum(local[:i]) for i in range(len(local))]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                      shard: int | None = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded, shard: int | None = None) -> None:
         if shard is None:                       # a checkpoint that stores the merged tensor
+            if self.tp.size > 1:
+                raise ValueError("a merged checkpoint tensor is not split for tensor "
+                                 "parallelism; store its projections separately")
             _copy_loader(param, loaded)
             return
         if not 0 <= shard < len(self.output_sizes):
             raise ValueError(f"shard {shard} of a layer merging {len(self.output_sizes)}")
-        size, start = self.output_sizes[shard], self.offsets[shard]
-        want = (size, *param.shape[1:])
-        if tuple(loaded.shape) != want:
-            raise ValueError(f"shard {shard}: checkpoint gives {tuple(loaded.shape)}, model "
-                             f"expects {want}")
-        param.data[start:start + size].copy_(loaded)
+        _check_shape(loaded, (self.full_sizes[shard], *param.shape[1:]), f"shard {shard}: ")
+        (start, n), off = self.splits[shard], self.offsets[shard]
+        param.data[off:off + n].copy_(loaded.narrow(0, start, n))
 
     def shard_rows(self, shard: int) -> tuple[int, int]:
         """Rows of the merged weight that `shard` fills."""
         return self.offsets[shard], self.offsets[shard] + self.output_sizes[shard]
+
+
+class ColumnParallelLinear(Linear):
+    """Output features split over the ranks, ceil(out / N) each (the last partition padded with
+    zero rows: a vocabulary that does not divide); `gather` concatenates every rank's outputs
+    and drops the padding."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 method: LinearMethod | None = None, tp: TPGroup = SINGLE) -> None:
+        per = -(-out_features // tp.size)
+        super().__init__(in_features, per, bias, method)
+        self.tp, self.full_out, self.start = tp, out_features, tp.rank * per
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard: int | None = None) -> None:
+        if shard is not None:
+            raise ValueError(f"a parameter of shape {tuple(param.shape)} takes no shards")
+        _check_shape(loaded, (self.full_out, *param.shape[1:]))
+        param.data.copy_(_rows(loaded, self.start, param.shape[0]))
+
+    def gather(self, y: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_gather(y, dim=-1)[..., :self.full_out]
+
+
+class RowParallelLinear(Linear):
+    """Input features split over the ranks, the partial products summed by an all-reduce. The
+    bias is rank 0's alone (the others hold zeros), so it is added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 method: LinearMethod | None = None, tp: TPGroup = SINGLE) -> None:
+        super().__init__(_even(in_features, tp, "input size"), out_features, bias, method)
+        self.tp, self.full_in = tp, in_features
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard: int | None = None) -> None:
+        if shard is not None:
+            raise ValueError(f"a parameter of shape {tuple(param.shape)} takes no shards")
+        if param.dim() == 1:                     # the bias
+            _check_shape(loaded, param.shape)
+            if self.tp.leader:
+                param.data.copy_(materialize(loaded))
+            else:
+                param.data.zero_()
+            return
+        _check_shape(loaded, (param.shape[0], self.full_in))
+        param.data.copy_(loaded.narrow(1, self.tp.rank * self.in_features, self.in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.method.apply(self, x))
 
 
 def packed_copy(weight: torch.Tensor, method: LinearMethod, bias: torch.Tensor | None = None

@@ -16,24 +16,32 @@ from engine.config import ModelConfig
 from engine.layers import LayerOptions
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
-from engine.layers.linear import Linear, MergedLinear
+from engine.layers.embedding import VocabParallelEmbedding
+from engine.layers.linear import ColumnParallelLinear, MergedLinear, RowParallelLinear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+from engine.parallel import head_range
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, opts: LayerOptions) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size],
-                                     cfg.attention_bias, opts.linear)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, False, opts.linear)
+        tp, d = opts.tp, cfg.head_dim
+        q_first, self.num_heads = head_range(cfg.num_heads, tp.size, tp.rank)
+        kv_first, self.num_kv_heads = head_range(cfg.num_kv_heads, tp.size, tp.rank)
+        self.head_dim = d
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        kv_rows = (kv_first * d, self.kv_size)       # this rank's rows of k_proj and v_proj
+        self.qkv_proj = MergedLinear(cfg.hidden_size,
+                                     [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d],
+                                     cfg.attention_bias, opts.linear, tp,
+                                     splits=[(q_first * d, self.q_size), kv_rows, kv_rows])
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, False, opts.linear, tp)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, opts.kernels)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, opts.kernels)
-        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, opts.attention)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, opts.attention)
 
     def forward(self, x: torch.Tensor, rope, cache: torch.Tensor, meta) -> torch.Tensor:
         t = x.shape[0]
@@ -50,9 +58,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, opts: LayerOptions) -> None:
         super().__init__()
         i = cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [i, i], False, opts.linear)
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [i, i], False, opts.linear, opts.tp)
         self.act = SiluAndMul(opts.kernels)
-        self.down_proj = Linear(i, cfg.hidden_size, False, opts.linear)
+        self.down_proj = RowParallelLinear(i, cfg.hidden_size, False, opts.linear, opts.tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))           # [T, hidden]
@@ -81,8 +89,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, opts: LayerOptions) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, opts.tp)
         self.layers = nn.ModuleList(DecoderLayer(cfg, opts) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.kernels)
 
@@ -99,7 +106,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg, opts)
         self.rotary = RotaryEmbedding(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, opts.linear)
+        self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, False, opts.linear,
+                                            opts.tp)
 
     def init_buffers(self, device: str | torch.device) -> None:
         self.rotary.init_buffers(device)
@@ -120,4 +128,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> logits [S, vocab] in float32."""
-        return self.lm_head(hidden).float()
+        return self.lm_head.gather(self.lm_head(hidden)).float()

@@ -125,7 +125,8 @@ class DraftProposer(Proposer):
         self.device = torch.device(cfg.device)
         # its own runner: its own KV pool (num_blocks), buffers and decode graphs
         self.runner = ModelRunner(model_dir, self.mcfg,
-                                  replace(cfg, num_blocks=num_blocks, speculative="off"), model)
+                                  replace(cfg, num_blocks=num_blocks, speculative="off",
+                                          tensor_parallel_size=1), model)
         self.model = self.runner.model
         self.block_size = cfg.block_size
         self.kv_manager = KVCacheManager(BlockPool(num_blocks), cfg.block_size, None)

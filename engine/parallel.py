@@ -1,0 +1,234 @@
+"""Tensor parallelism: one model split over N ranks (processes), one scheduler on rank 0.
+
+A worker started with --tensor-parallel-size N is rank 0: it runs the engine (scheduler, KV
+connector, sampler) and starts ranks 1..N-1 (`start_followers`), each a process holding its
+shards of the model and of the KV pool. The ranks form the default torch.distributed process
+group (NCCL on GPUs, gloo on CPUs, the same code) plus a gloo group for the host-side commands.
+Each step, rank 0 broadcasts the step's inputs (`TPGroup.command`); every rank runs the same
+forward pass; sampling happens on rank 0 only.
+
+How the model splits (engine.layers): q/k/v and gate/up are column-parallel (each checkpoint
+projection split on its own), o and down row-parallel with an all-reduce; the embedding and
+lm_head are vocabulary-parallel (rows split, an all-reduce after the lookup and an all-gather of
+the logits) rather than replicated: for a 128k vocabulary at hidden 8192 they are 2 GiB each in
+bf16, which replication would keep N times. KV heads are split across ranks; with fewer KV heads
+than ranks, each is replicated on N / KVH consecutive ranks (`head_range`).
+
+The KV pool as rank 0's transports see it is `ShardedKV`: the whole model's heads, assembled
+from every rank when blocks are read, split to every rank when they are written. On the wire a
+block is always the whole model's heads in order, so a prefill worker with one TP size feeds a
+decode worker with another: each decode rank receives its heads from the prefill ranks that held
+them (through both rank 0s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+INIT_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This process's place in its tensor-parallel group. size 1: no group, every collective
+    is the identity."""
+
+    rank: int = 0
+    size: int = 1
+    cpu_group: object = None       # gloo group for commands (the default group on CPUs)
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(t)
+        return t
+
+    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's `t` concatenated along `dim`, rank order."""
+        if self.size == 1:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(parts, t.contiguous())
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `t` on every rank (in place)."""
+        if self.size > 1:
+            dist.broadcast(t, src=0)
+        return t
+
+    def command(self, cmd: tuple | None = None) -> tuple:
+        """Rank 0 sends `cmd` to every rank; the others return what it sent."""
+        box = [cmd]
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        return box[0]
+
+
+SINGLE = TPGroup()
+
+
+def head_range(num_heads: int, size: int, rank: int) -> tuple[int, int]:
+    """(first head, count) of `num_heads` this rank holds: an even split, or (fewer heads than
+    ranks) one head replicated on size / num_heads consecutive ranks."""
+    if num_heads >= size:
+        per = num_heads // size
+        return rank * per, per
+    return rank * num_heads // size, 1
+
+
+def check_split(cfg, size: int) -> None:
+    """ValueError naming what cannot be split `size` ways."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+    if size == 1:
+        return
+    h, kvh = cfg.num_heads, cfg.num_kv_heads
+    bad = []
+    if h % size:
+        bad.append(f"{h} attention heads")
+    if (kvh >= size and kvh % size) or (kvh < size and size % kvh):
+        bad.append(f"{kvh} KV heads (split evenly, or replicated when fewer than ranks)")
+    if cfg.intermediate_size % size:
+        bad.append(f"intermediate size {cfg.intermediate_size}")
+    if bad:
+        raise ValueError(f"tensor parallel size {size} does not divide the model's "
+                         f"{', '.join(bad)}; pick a size that does (this model: "
+                         f"{', '.join(str(n) for n in _even_sizes(cfg))})")
+
+
+def _even_sizes(cfg) -> list[int]:
+    ok = []
+    for n in range(1, cfg.num_heads + 1):
+        kvh = cfg.num_kv_heads
+        if (cfg.num_heads % n == 0 and cfg.intermediate_size % n == 0
+                and ((kvh >= n and kvh % n == 0) or (kvh < n and n % kvh == 0))):
+            ok.append(n)
+    return ok
+
+
+def local_config(cfg, tp: TPGroup):
+    """The model config as one rank's attention and KV pool see it: its own heads."""
+    if tp.size == 1:
+        return cfg
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // tp.size,
+                               num_kv_heads=head_range(cfg.num_kv_heads, tp.size, tp.rank)[1])
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank r's device: cuda:(base + r) on GPUs, the CPU elsewhere."""
+    d = torch.device(device)
+    if d.type != "cuda":
+        return device
+    return f"cuda:{(d.index or 0) + rank}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_group(rank: int, size: int, port: int, device: str) -> TPGroup:
+    """Join the group of `size` ranks rendezvousing at 127.0.0.1:port."""
+    from datetime import timedelta
+
+    if size == 1:
+        return SINGLE
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.set_device(torch.device(device))
+    timeout = timedelta(seconds=INIT_TIMEOUT_S)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=size, timeout=timeout)
+    cpu = dist.new_group(backend="gloo", timeout=timeout) if cuda else None
+    return TPGroup(rank, size, cpu)
+
+
+# ---------------------------------------------------------------------- ranks 1..N-1
+def start_followers(model_dir, model_cfg, cfg, threads: int, random_weights: bool = False
+                    ) -> tuple[int, list]:
+    """Start ranks 1..N-1 of `cfg.tensor_parallel_size` (processes); -> (port, processes).
+    Rank 0 joins with init_group(0, N, port, device)."""
+    import multiprocessing as mp
+
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    procs = []
+    for rank in range(1, cfg.tensor_parallel_size):
+        p = ctx.Process(target=_follower_main, name=f"tp-rank-{rank}", daemon=True,
+                        args=(str(model_dir) if model_dir else None, model_cfg, cfg, rank, port,
+                              threads, random_weights, os.getpid()))
+        p.start()
+        procs.append(p)
+    return port, procs
+
+
+def _watch_parent(parent: int) -> None:
+    """A rank whose rank 0 is gone exits (a killed rank 0 leaves no one to say stop)."""
+    while True:
+        if os.getppid() != parent:
+            os._exit(0)
+        time.sleep(1.0)
+
+
+def _follower_main(model_dir, model_cfg, cfg, rank: int, port: int, threads: int,
+                   random_weights: bool, parent: int) -> None:
+    from engine.model_runner import ModelRunner
+
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s %(levelname)s tp-rank-{rank} %(name)s: %(message)s")
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    if threads > 0:
+        torch.set_num_threads(threads)
+    device = rank_device(cfg.device, rank)
+    tp = init_group(rank, cfg.tensor_parallel_size, port, device)
+    runner = ModelRunner(model_dir, model_cfg, dataclasses.replace(cfg, device=device),
+                         random_weights=random_weights, tp=tp)
+    try:
+        runner.follow()
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- the sharded pool
+class ShardedKV:
+    """The KV pool of a tensor-parallel engine as rank 0's transports see it: shape
+    [layers, 2, blocks, block_size, all KV heads, head_dim], with the tensor operations they use
+    on blocks (dim 2): `index_select` gathers every rank's heads, `index_copy_` gives every rank
+    its own. Each call is a command all ranks run (the engine thread only)."""
+
+    def __init__(self, runner, num_kv_heads: int) -> None:
+        self.runner = runner
+        local = runner.kv
+        self.shape = torch.Size((*local.shape[:4], num_kv_heads, local.shape[5]))
+        self.dtype, self.device, self.is_cuda = local.dtype, local.device, local.is_cuda
+
+    def element_size(self) -> int:
+        return self.runner.kv.element_size()
+
+    def data_ptr(self) -> int:
+        raise RuntimeError("a tensor-parallel KV pool is spread over several ranks: no one-sided "
+                           "transport can register it (use --kv-transport grpc or torch)")
+
+    def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
+        assert dim == 2, "blocks are dim 2"
+        return self.runner.read_blocks([int(i) for i in index.tolist()])
+
+    def index_copy_(self, dim: int, index: torch.Tensor, data: torch.Tensor) -> "ShardedKV":
+        assert dim == 2, "blocks are dim 2"
+        self.runner.write_blocks([int(i) for i in index.tolist()], data)
+        return self

@@ -1,0 +1,110 @@
+"""Tensor parallelism on CPU: two (or four) real processes over gloo against one, on tiny random
+Llama, Qwen2 and Qwen3 checkpoints written as HF folders (fp32): the same logits and greedy
+tokens, KV heads replicated when there are fewer than ranks, the sharded pool read and written
+with every head in order, and the refusals of what cannot be split."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.engine import Engine, KVLayout
+from engine.parallel import check_split, head_range
+from engine.request import Request, SamplingParams
+from kvtransfer.base import LayoutMismatch, check_layout
+from pdserve.gpucheck import engine_logits
+from tests.test_model_parity import make_model
+
+PROMPTS = [[5, 9, 17, 3, 3, 100, 41], [7] * 13, [1, 2, 3]]
+
+
+def _engine(path, tp: int, **kw) -> Engine:
+    return Engine(path, EngineConfig(num_blocks=32, block_size=4, max_num_batched_tokens=16,
+                                     tensor_parallel_size=tp, **kw))
+
+
+def _greedy(eng: Engine) -> dict[str, list[int]]:
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(Request(str(i), p, SamplingParams(temperature=0, max_tokens=12,
+                                                          ignore_eos=True)))
+    got: dict[str, list[int]] = {}
+    while eng.has_work():
+        for o in eng.step():
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert eng.pool.num_free == eng.pool.num_blocks
+    return got
+
+
+def _run(path, tp: int, ids: list[int], **kw):
+    """(logits of every position of `ids`, greedy tokens of PROMPTS, the prompt's KV blocks
+    with every head) from an engine of `tp` ranks."""
+    eng = _engine(path, tp, **kw)
+    try:
+        assert eng.layout.tensor_parallel_size == tp
+        logits = engine_logits(eng, ids)
+        blocks = list(range(-(-len(ids) // 4)))      # the first request took blocks 0..
+        kv = eng.kv.index_select(2, torch.tensor(blocks)).clone()
+        return logits, kv, _greedy(eng)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("family,tp", [("llama", 2), ("qwen2", 2), ("qwen3", 2), ("llama", 4)])
+def test_tp_matches_one_rank(tmp_path, family, tp):
+    """tp=4 over 2 KV heads: each KV head on two ranks."""
+    make_model(tmp_path, family)
+    ids = torch.randint(0, 128, (29,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref_logits, ref_kv, ref_tokens = _run(tmp_path, 1, ids)
+    logits, kv, tokens = _run(tmp_path, tp, ids)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    assert kv.shape == ref_kv.shape                  # every KV head, in order
+    torch.testing.assert_close(kv, ref_kv, rtol=1e-5, atol=1e-5)
+    assert tokens == ref_tokens
+
+
+def test_sharded_pool_writes_each_rank_its_heads(tmp_path):
+    """Blocks written with every head land on their ranks and read back whole; the checksum of
+    the sharded pool is the checksum of the same blocks in one piece."""
+    from kvtransfer.integrity import block_checksums
+
+    make_model(tmp_path, "llama")
+    eng = _engine(tmp_path, 2)
+    try:
+        data = torch.randn(2, 2, 3, 4, 2, 16, generator=torch.Generator().manual_seed(3))
+        ids = torch.tensor([7, 2, 30])
+        eng.kv.index_copy_(2, ids, data)
+        assert torch.equal(eng.kv.index_select(2, ids), data)
+        assert torch.equal(eng.runner.kv[:, :, ids], data[:, :, :, :, 0:1])   # rank 0: head 0
+        whole = torch.zeros(2, 2, 32, 4, 2, 16)
+        whole[:, :, ids] = data
+        assert block_checksums(eng.kv, ids.tolist()).tolist() == \
+            block_checksums(whole, ids.tolist()).tolist()
+    finally:
+        eng.close()
+
+
+def test_int8_under_tp_close_to_fp32(tmp_path):
+    make_model(tmp_path, "qwen2")
+    ids = list(range(3, 40))
+    ref, _, _ = _run(tmp_path, 1, ids)
+    got, _, _ = _run(tmp_path, 2, ids, quantization="int8")
+    err = ((got - ref).norm() / ref.norm()).item()
+    assert 0 < err < 0.03, err
+
+
+def test_head_ranges_and_refusals():
+    assert [head_range(8, 4, r) for r in range(4)] == [(0, 2), (2, 2), (4, 2), (6, 2)]
+    assert [head_range(2, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    smol = ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, 1e-5, 1e5, 2048, True)
+    check_split(smol, 3)
+    with pytest.raises(ValueError, match=r"9 attention heads.*3 KV heads.*this model: 1, 3\)"):
+        check_split(smol, 2)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        EngineConfig(tensor_parallel_size=0)
+
+
+def test_layout_handshake_maps_unequal_tp_and_refuses_other_heads():
+    check_layout(KVLayout("float32", 16, 30, 3, 64, 1), KVLayout("float32", 16, 30, 3, 64, 3))
+    with pytest.raises(LayoutMismatch, match=r"num_kv_heads: ours 3 vs theirs 6\)"):
+        check_layout(KVLayout("float32", 16, 30, 3, 64, 3), KVLayout("float32", 16, 30, 6, 64, 3))
