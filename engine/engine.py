@@ -17,7 +17,8 @@ from engine.block_hash import BlockHasher
 from engine.block_pool import BlockPool, KVCacheManager
 from engine.config import EngineConfig, ModelConfig, parse_speculative
 from engine.model_runner import ModelRunner, StepInputs, StepResult
-from engine.parallel import check_split, init_group, rank_device, start_followers
+from engine.parallel import (check_split, init_group, rank_device, start_followers,
+                             stop_followers)
 from engine.request import MAX_CHOICES, Request, RequestOutput, Status, TokenLogprob
 from engine.sampler import RowSampling
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -116,7 +117,8 @@ class Engine:
             runner = ModelRunner(model_dir, self.model_cfg, cfg, None, random_weights, tp=tp)
         except BaseException:
             for p in procs:
-                p.terminate()
+                p.kill()
+            stop_followers(procs)
             raise
         runner._followers = procs
         log.info("tensor parallel: %d ranks (%s), KV heads per rank %d", n,

@@ -263,13 +263,14 @@ class ModelRunner:
             return
         import torch.distributed as dist
 
+        from engine.parallel import stop_followers
+
         try:
             self.tp.command(("stop",))
+        except RuntimeError as exc:           # a rank is gone: the others see it too
+            log.warning("tensor-parallel ranks did not all take the stop command: %s", exc)
         finally:
-            for p in self._followers:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.terminate()
+            stop_followers(self._followers)
             if dist.is_initialized():
                 dist.destroy_process_group()
             self.tp = SINGLE

@@ -28,7 +28,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +35,8 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-INIT_TIMEOUT_S = 600.0
+INIT_TIMEOUT_S = 600.0        # joining the group, and any one collective of a step
+COMMAND_TIMEOUT_S = 10 * 365 * 86400.0   # ranks wait for rank 0's next command while idle
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class TPGroup:
 
     rank: int = 0
     size: int = 1
-    cpu_group: object = None       # gloo group for commands (the default group on CPUs)
+    cpu_group: object = None       # gloo group for rank 0's commands (no timeout to speak of)
 
     @property
     def leader(self) -> bool:
@@ -154,54 +154,85 @@ def init_group(rank: int, size: int, port: int, device: str) -> TPGroup:
     timeout = timedelta(seconds=INIT_TIMEOUT_S)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=size, timeout=timeout)
-    cpu = dist.new_group(backend="gloo", timeout=timeout) if cuda else None
+    # a group of its own for commands: an idle worker's ranks wait for the next one for as long
+    # as it takes (a gloo operation fails after its group's timeout)
+    cpu = dist.new_group(backend="gloo", timeout=timedelta(seconds=COMMAND_TIMEOUT_S))
     return TPGroup(rank, size, cpu)
 
 
 # ---------------------------------------------------------------------- ranks 1..N-1
 def start_followers(model_dir, model_cfg, cfg, threads: int, random_weights: bool = False
                     ) -> tuple[int, list]:
-    """Start ranks 1..N-1 of `cfg.tensor_parallel_size` (processes); -> (port, processes).
-    Rank 0 joins with init_group(0, N, port, device)."""
-    import multiprocessing as mp
+    """Start ranks 1..N-1 of `cfg.tensor_parallel_size`; -> (port, processes). Rank 0 joins
+    with init_group(0, N, port, device). Each rank is a fresh interpreter (not a fork, and not
+    multiprocessing's spawn, which imports the caller's main module again) reading its orders
+    from a pipe; the pipe closing tells it rank 0 is gone."""
+    import pickle
+    import subprocess
+    import sys
 
     port = free_port()
-    ctx = mp.get_context("spawn")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # our imports
     procs = []
     for rank in range(1, cfg.tensor_parallel_size):
-        p = ctx.Process(target=_follower_main, name=f"tp-rank-{rank}", daemon=True,
-                        args=(str(model_dir) if model_dir else None, model_cfg, cfg, rank, port,
-                              threads, random_weights, os.getpid()))
-        p.start()
+        orders = pickle.dumps(dict(model_dir=str(model_dir) if model_dir else None,
+                                   model_cfg=model_cfg, cfg=cfg, rank=rank, port=port,
+                                   threads=threads, random_weights=random_weights))
+        p = subprocess.Popen([sys.executable, "-c", "import engine.parallel as p; p._follower()"],
+                             stdin=subprocess.PIPE, env=env)
+        p.stdin.write(len(orders).to_bytes(8, "little") + orders)
+        p.stdin.flush()                       # stays open: closed when rank 0 exits
         procs.append(p)
     return port, procs
 
 
-def _watch_parent(parent: int) -> None:
+def stop_followers(procs: list, timeout_s: float = 10.0) -> None:
+    for p in procs:
+        try:
+            p.wait(timeout=timeout_s)
+        except Exception:
+            p.kill()
+            p.wait()
+        if p.stdin is not None:
+            p.stdin.close()
+
+
+def _watch_parent(pipe) -> None:
     """A rank whose rank 0 is gone exits (a killed rank 0 leaves no one to say stop)."""
-    while True:
-        if os.getppid() != parent:
-            os._exit(0)
-        time.sleep(1.0)
+    pipe.read()                              # returns at EOF: the other end closed
+    os._exit(0)
 
 
-def _follower_main(model_dir, model_cfg, cfg, rank: int, port: int, threads: int,
-                   random_weights: bool, parent: int) -> None:
+def _follower() -> None:
+    import pickle
+    import sys
+
+    pipe = sys.stdin.buffer
+    size = int.from_bytes(pipe.read(8), "little")
+    o = pickle.loads(pipe.read(size))
+    threading.Thread(target=_watch_parent, args=(pipe,), daemon=True).start()
     from engine.model_runner import ModelRunner
 
+    rank, cfg = o["rank"], o["cfg"]
     logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s %(levelname)s tp-rank-{rank} %(name)s: %(message)s")
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-    if threads > 0:
-        torch.set_num_threads(threads)
-    device = rank_device(cfg.device, rank)
-    tp = init_group(rank, cfg.tensor_parallel_size, port, device)
-    runner = ModelRunner(model_dir, model_cfg, dataclasses.replace(cfg, device=device),
-                         random_weights=random_weights, tp=tp)
+                        format=f"%(asctime)s tp-rank-{rank} %(levelname)s %(name)s: %(message)s")
+    code = 0
     try:
+        if o["threads"] > 0:
+            torch.set_num_threads(o["threads"])
+        device = rank_device(cfg.device, rank)
+        tp = init_group(rank, cfg.tensor_parallel_size, o["port"], device)
+        runner = ModelRunner(o["model_dir"], o["model_cfg"],
+                             dataclasses.replace(cfg, device=device),
+                             random_weights=o["random_weights"], tp=tp)
         runner.follow()
-    finally:
         dist.destroy_process_group()
+    except BaseException:
+        log.exception("tensor-parallel rank %d failed", rank)
+        code = 1
+    finally:
+        logging.shutdown()
+        os._exit(code)      # not through finalization: the watcher thread is inside a read
 
 
 # ---------------------------------------------------------------------- the sharded pool

@@ -564,6 +564,8 @@ def _add_stepbench(sub) -> None:
                    help="attention kernels")
     p.add_argument("--quantization", default="none", choices=["none", "int8"],
                    help="int8: weight-only int8 linear layers (as the workers' flag)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model over N ranks, --threads each (as the workers' flag)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--structured", default="off", choices=["off", "json"],
                    help="json: every sequence follows a JSON-schema grammar; the report adds "

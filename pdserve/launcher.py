@@ -182,8 +182,12 @@ def _common(args, model: Path) -> list[str]:
     return out
 
 
-def place_workers(device: str, num_gpus: int | None = None) -> tuple[str, str, float]:
-    """`pdserve up --device`: (prefill device, decode device, default memory share each)."""
+def place_workers(device: str, num_gpus: int | None = None, prefill_tp: int = 1,
+                  decode_tp: int = 1) -> tuple[str, str, float]:
+    """`pdserve up --device`: (prefill device, decode device, default memory share each). A
+    worker of tensor-parallel size N takes its device and the N-1 after it: on "cuda" the
+    decode worker starts after the prefill worker's GPUs when there are enough for both, else
+    both share from GPU 0 (half the memory each)."""
     if "," in device:
         prefill, decode = (d.strip() for d in device.split(",", 1))
         return prefill, decode, 0.45 if prefill == decode else 0.9
@@ -192,9 +196,24 @@ def place_workers(device: str, num_gpus: int | None = None) -> tuple[str, str, f
     if num_gpus is None:
         import torch
         num_gpus = torch.cuda.device_count()
-    if num_gpus >= 2:
-        return "cuda:0", "cuda:1", 0.9
+    if num_gpus >= prefill_tp + decode_tp:
+        return "cuda:0", f"cuda:{prefill_tp}", 0.9
+    if max(prefill_tp, decode_tp) > num_gpus:
+        raise ValueError(f"tensor parallel size {max(prefill_tp, decode_tp)} needs as many "
+                         f"GPUs; {num_gpus} visible")
     return "cuda:0", "cuda:0", 0.45
+
+
+def role_tensor_parallel(args, role: str) -> int:
+    """ROLE's --tensor-parallel-size: `up`'s flag, or the last one in --ROLE-args."""
+    size = getattr(args, "tensor_parallel_size", None) or 1
+    extra = list(getattr(args, f"{role}_args", None) or [])
+    for i, a in enumerate(extra):
+        if a == "--tensor-parallel-size" and i + 1 < len(extra):
+            size = int(extra[i + 1])
+        elif a.startswith("--tensor-parallel-size="):
+            size = int(a.split("=", 1)[1])
+    return size
 
 
 def passthrough_args(args, role: str, **computed) -> list[str]:
@@ -217,7 +236,9 @@ def child_commands(args, model: Path, redis_url: str,
     shared flags, the passed-through flags, then --prefill-args/--decode-args/--gateway-args
     (last, so they win)."""
     cli = [sys.executable, "-m", "pdserve.cli"]
-    prefill_dev, decode_dev, share = place_workers(args.device, num_gpus)
+    prefill_dev, decode_dev, share = place_workers(
+        args.device, num_gpus, role_tensor_parallel(args, "prefill"),
+        role_tensor_parallel(args, "decode"))
     memory = args.gpu_memory_utilization or share
     commands = {}
     for role, port, dev in (("prefill", args.prefill_port, prefill_dev),

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
 GPU2 = ROOT / "docker-compose.gpu.yml"
 GPU8 = ROOT / "docker-compose.gpu8.yml"
+GPU_TP = ROOT / "docker-compose.gpu-tp.yml"
 MODEL = "/models/SmolLM2-135M-Instruct"
 REDIS_URL = "redis://redis:6379/0"
 PORTS = {"prefill": "50061", "decode": "50071"}
@@ -101,6 +102,11 @@ def gpu2() -> dict:
 @pytest.fixture(scope="module")
 def gpu8() -> dict:
     return _config(COMPOSE, GPU8)
+
+
+@pytest.fixture(scope="module")
+def gpu_tp() -> dict:
+    return _config(COMPOSE, GPU_TP)
 
 
 # --------------------------------------------------------------------------- the CPU stack
@@ -283,7 +289,21 @@ def test_gpu8_gateway_model_redis_reserve_no_gpu(gpu8, normalized):
     _check_non_workers(gpu8, normalized)
 
 
-@pytest.mark.parametrize("variant", ["gpu2", "gpu8"])
+def test_gpu_tp_workers_split_over_four_gpus_each(gpu_tp, normalized):
+    """Prefill ranks on GPUs 0-3, decode ranks on 4-7, KV over NCCL (NIXL cannot write a pool
+    spread over ranks)."""
+    services = gpu_tp["services"]
+    assert set(services) == BASE_SERVICES
+    for role, first in (("prefill", 0), ("decode", 4)):
+        svc = services[role]
+        _check_gpu_worker(svc, [str(i) for i in range(8)])
+        base = gpu_worker_command(role, role, first)
+        base[base.index("--kv-transport") + 1] = "torch"
+        assert svc["command"] == base + ["--tensor-parallel-size", "4"]
+    _check_non_workers(gpu_tp, normalized)
+
+
+@pytest.mark.parametrize("variant", ["gpu2", "gpu8", "gpu_tp"])
 def test_gpu_overrides_only_add_gpu_settings(variant, normalized, request):
     """Against the CPU stack, a GPU worker differs in its image, its command's GPU flags and
     the GPU-only keys, nothing else."""
@@ -324,7 +344,7 @@ def test_dockerfile_cpu_default_and_pins():
     assert "pip install -c /etc/pdserve-constraints.txt -e ." in text
 
 
-@pytest.mark.parametrize("override", [GPU2, GPU8], ids=lambda p: p.name)
+@pytest.mark.parametrize("override", [GPU2, GPU8, GPU_TP], ids=lambda p: p.name)
 def test_gpu_build_args_are_dockerfile_args(override):
     raw = yaml.safe_load(override.read_text())
     declared = _dockerfile_args()

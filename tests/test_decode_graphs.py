@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 import torch
 
 from engine.config import EngineConfig
@@ -82,3 +84,12 @@ def test_worker_defaults_follow_the_device():
     assert place_workers("cuda", num_gpus=1) == ("cuda:0", "cuda:0", 0.45)
     assert place_workers("cuda:2,cuda:3") == ("cuda:2", "cuda:3", 0.9)
     assert place_workers("cpu") == ("cpu", "cpu", 0.9)
+    # tensor parallel: a worker takes its GPU and the next N-1
+    assert place_workers("cuda", num_gpus=8, prefill_tp=4, decode_tp=4) == ("cuda:0", "cuda:4",
+                                                                            0.9)
+    assert place_workers("cuda", num_gpus=3, prefill_tp=1, decode_tp=2) == ("cuda:0", "cuda:1",
+                                                                            0.9)
+    assert place_workers("cuda", num_gpus=2, prefill_tp=2, decode_tp=1) == ("cuda:0", "cuda:0",
+                                                                            0.45)
+    with pytest.raises(ValueError, match="tensor parallel size 4 needs as many GPUs; 2"):
+        place_workers("cuda", num_gpus=2, prefill_tp=4)

@@ -270,6 +270,16 @@ def test_role_args_override_the_shared_flags():
     assert commands["decode"][-4:] == ["--block-size", "64", "--device", "cuda:1"]
 
 
+def test_tensor_parallel_workers_get_their_own_gpus():
+    """--device cuda: the decode worker's ranks start after the prefill worker's."""
+    commands = _commands("--device", "cuda", "--tensor-parallel-size", "2",
+                         "--prefill-args=--tensor-parallel-size 1", num_gpus=3)
+    prefill, decode = _parsed(commands, "prefill"), _parsed(commands, "decode")
+    assert (prefill.tensor_parallel_size, decode.tensor_parallel_size) == (1, 2)
+    assert (prefill.device, decode.device) == ("cuda:0", "cuda:1")
+    assert decode.gpu_memory_utilization == 0.9
+
+
 BAD_ROLE_ARGS = [
     ("--prefill-args=--bogus", "argument --prefill-args: pdserve prefill: unrecognized "
                                "arguments: --bogus"),

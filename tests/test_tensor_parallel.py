@@ -5,6 +5,11 @@ with every head in order, and the refusals of what cannot be split."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -16,6 +21,7 @@ from kvtransfer.base import LayoutMismatch, check_layout
 from pdserve.gpucheck import engine_logits
 from tests.test_model_parity import make_model
 
+ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [[5, 9, 17, 3, 3, 100, 41], [7] * 13, [1, 2, 3]]
 
 
@@ -108,3 +114,51 @@ def test_layout_handshake_maps_unequal_tp_and_refuses_other_heads():
     check_layout(KVLayout("float32", 16, 30, 3, 64, 1), KVLayout("float32", 16, 30, 3, 64, 3))
     with pytest.raises(LayoutMismatch, match=r"num_kv_heads: ours 3 vs theirs 6\)"):
         check_layout(KVLayout("float32", 16, 30, 3, 64, 3), KVLayout("float32", 16, 30, 6, 64, 3))
+
+
+def test_a_dead_rank_fails_the_next_step_at_once(tmp_path):
+    """No hang: the collective fails (and with it the engine: the worker goes NOT_SERVING)."""
+    make_model(tmp_path, "llama")
+    eng = _engine(tmp_path, 2)
+    try:
+        rank1 = eng.runner._followers[0]
+        rank1.kill()
+        rank1.wait()
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="Connection closed by peer"):
+            engine_logits(eng, [1, 2, 3])
+        assert time.monotonic() - t0 < 10
+    finally:
+        eng.runner._followers = []
+        eng.close()
+
+
+def test_ranks_exit_when_rank_0_is_killed(tmp_path):
+    make_model(tmp_path, "llama")
+    script = ("import sys, time\n"
+              "from engine.config import EngineConfig\n"
+              "from engine.engine import Engine\n"
+              f"eng = Engine({str(tmp_path)!r}, EngineConfig(num_blocks=8, block_size=4, "
+              "tensor_parallel_size=2))\n"
+              "print(eng.runner._followers[0].pid, flush=True)\n"
+              "time.sleep(120)\n")
+    rank0 = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                             cwd=ROOT)
+    try:
+        pid = int(rank0.stdout.readline())
+        rank0.kill()
+        rank0.wait()
+        deadline = time.monotonic() + 10
+        while _alive(pid):
+            assert time.monotonic() < deadline, "rank 1 outlived rank 0"
+            time.sleep(0.1)
+    finally:
+        rank0.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False

@@ -11,6 +11,9 @@ activation, sampling, the engine's own bookkeeping).
 strings, so no output completes while it is timed): the report adds the time spent on the
 grammar masks (filling each sequence's token bitmask, and applying them to the logits) per
 step and its share of the step.
+
+--tensor-parallel-size N splits the model over N ranks (processes, --threads each; on CPUs over
+gloo): the linear layers are timed on rank 0, their all-reduces included.
 """
 
 from __future__ import annotations
@@ -76,7 +79,15 @@ def run(args) -> dict:
                  EngineConfig(num_blocks=blocks, max_num_seqs=args.batch,
                               max_num_batched_tokens=budget,
                               attention_backend=args.attention_backend,
-                              quantization=args.quantization))
+                              quantization=args.quantization,
+                              tensor_parallel_size=getattr(args, "tensor_parallel_size", 1)))
+    try:
+        return _measure(args, eng, new)
+    finally:
+        eng.close()
+
+
+def _measure(args, eng: Engine, new: int) -> dict:
     spent = _time_linears(eng.model)
     gen = torch.Generator().manual_seed(args.seed)
     vocab = eng.model_cfg.vocab_size
@@ -116,14 +127,16 @@ def run(args) -> dict:
             steps.append(dt)
             linear.append(spent[0])
     step, lin = statistics.median(steps), statistics.median(linear)
-    out = dict(batch=args.batch, context=args.context, threads=args.threads,
+    tp = eng.cfg.tensor_parallel_size
+    out = dict(batch=args.batch, context=args.context, threads=args.threads, tensor_parallel=tp,
                backend=eng.runner.backend.name, step_ms=step * 1e3, linear_ms=lin * 1e3,
                outside_ms=(step - lin) * 1e3, outside_share=(step - lin) / step,
                best_step_ms=min(steps) * 1e3)
     if structured:
         mask = statistics.median(masks[WARMUP:])
         out.update(structured="json", mask_ms=mask * 1e3, mask_share=mask / step)
-    print(f"batch {args.batch}, {args.context}-token contexts, {args.threads} thread(s), "
+    print(f"batch {args.batch}, {args.context}-token contexts, {args.threads} thread(s)"
+          f"{f' x {tp} ranks' if tp > 1 else ''}, "
           f"{out['backend']} attention: decode step {out['step_ms']:.1f} ms (median of "
           f"{args.steps}, best {out['best_step_ms']:.1f}); linear layers {out['linear_ms']:.1f} "
           f"ms; outside them {out['outside_ms']:.1f} ms = {out['outside_share']:.0%}")
