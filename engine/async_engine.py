@@ -24,6 +24,7 @@ from collections import deque
 from typing import Callable
 
 from engine.engine import Engine
+from engine.parallel import RankFailure
 from engine.request import Request, RequestOutput, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -277,6 +278,8 @@ class AsyncEngine:
         if fut is None:
             try:
                 fn(*args)
+            except RankFailure:
+                raise
             except Exception:    # nobody waits for it: say so, and keep the engine going
                 log.exception("engine command %s failed", getattr(fn, "__qualname__", fn))
             return
@@ -284,6 +287,9 @@ class AsyncEngine:
             return
         try:
             fut.set_result(fn(*args))
+        except RankFailure as exc:         # the engine cannot go on: _run ends it
+            fut.set_exception(exc)
+            raise
         except Exception as exc:
             fut.set_exception(exc)
 
@@ -355,6 +361,8 @@ class AsyncEngine:
                 outputs = self.engine.step()
                 if self.on_step is not None and self.engine.last_step is not None:
                     self.on_step(self.engine.last_step)
+            except RankFailure:
+                raise                 # the ranks may be out of step: the engine stops (_run)
             except Exception as exc:  # a bug must not hang every request: fail them loudly
                 log.exception("engine step failed")
                 outputs = self._fail_all(f"engine step failed: {exc}")

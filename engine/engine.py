@@ -86,7 +86,13 @@ class Engine:
                              "from GPU memory: give --kv-cache-gib or --num-blocks with "
                              "--speculative draft:PATH")
         self.runner = self._runner(model_dir, cfg, model, random_weights)
-        cfg = replace(cfg, num_blocks=self.runner.num_blocks)
+        try:
+            self._setup(replace(cfg, num_blocks=self.runner.num_blocks), draft_model)
+        except BaseException:
+            self.runner.close()           # tensor parallel: the other ranks stop too
+            raise
+
+    def _setup(self, cfg: EngineConfig, draft_model) -> None:
         self.cfg = cfg
         m = self.model_cfg
         self.layout = KVLayout(cfg.compute_dtype, cfg.block_size, m.num_layers, m.num_kv_heads,

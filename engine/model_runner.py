@@ -32,7 +32,8 @@ from engine.config import EngineConfig, ModelConfig, kv_bytes_per_block
 from engine.cuda_graphs import DecodeGraphs
 from engine.layers import LayerOptions
 from engine.layers.linear import linear_method_for
-from engine.parallel import SINGLE, ShardedKV, TPGroup, check_split, head_range, local_config
+from engine.parallel import (SINGLE, RankFailure, ShardedKV, TPGroup, check_split, head_range,
+                             local_config)
 from engine.request import SamplingParams, TokenLogprob
 from engine.sampler import RowSampling, Sampler
 from engine.step_buffers import StepBuffers
@@ -100,6 +101,7 @@ class ModelRunner:
             self.graphs.capture()
         self._plan = None
         self._followers: list = []
+        self.broken: str | None = None           # why a tensor-parallel operation failed
 
     @property
     def max_graph_batch(self) -> int:
@@ -162,8 +164,23 @@ class ModelRunner:
         """Forward pass over the step and sampling of its sampled rows (tensor parallel: every
         rank runs the forward pass; rank 0 samples)."""
         if self.tp.size > 1:
-            self.tp.command(("step", inp.token_ids, inp.batch, inp.sample_rows))
+            return self._tp_op(self._lead_step, inp)
         return self._execute(inp)
+
+    def _lead_step(self, inp: StepInputs) -> StepResult:
+        self.tp.command(("step", inp.token_ids, inp.batch, inp.sample_rows))
+        return self._execute(inp)
+
+    def _tp_op(self, fn, *args):
+        """Rank 0's side of a tensor-parallel operation: any failure is a RankFailure, and
+        every later operation fails the same way (the ranks may be out of step)."""
+        if self.broken is not None:
+            raise RankFailure(self.broken)
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self.broken = f"tensor-parallel rank failure: {type(exc).__name__}: {exc}"
+            raise RankFailure(self.broken) from exc
 
     def _execute(self, inp: StepInputs) -> StepResult:
         batch = inp.batch
@@ -195,9 +212,14 @@ class ModelRunner:
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy KV blocks src -> dst in every layer (forked choices), on the current stream."""
-        if self.tp.size > 1:
+        if self.tp.size == 1:
+            self._copy_blocks(pairs)
+            return
+
+        def copy():
             self.tp.command(("copy", pairs))
-        self._copy_blocks(pairs)
+            self._copy_blocks(pairs)
+        self._tp_op(copy)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([a for a, _ in pairs], dtype=torch.long, device=self.device)
@@ -208,8 +230,10 @@ class ModelRunner:
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Rank 0: kv[:, :, block_ids] with every rank's heads, in head order
         [layers, 2, n, block_size, all KV heads, head_dim] (a replicated head taken once)."""
-        self.tp.command(("read", block_ids))
-        return self._read_blocks(block_ids)
+        def read():
+            self.tp.command(("read", block_ids))
+            return self._read_blocks(block_ids)
+        return self._tp_op(read)
 
     def _read_blocks(self, block_ids: list[int]) -> torch.Tensor | None:
         import torch.distributed as dist
@@ -231,8 +255,11 @@ class ModelRunner:
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Rank 0: kv[:, :, block_ids] = data (all KV heads), each rank taking its own."""
-        self.tp.command(("write", block_ids, tuple(data.shape)))
-        self._write_blocks(block_ids, data.to(self.device).contiguous())
+        def write():
+            full = data.to(self.device, self.dtype).contiguous()     # before the command
+            self.tp.command(("write", block_ids, tuple(full.shape)))
+            self._write_blocks(block_ids, full)
+        self._tp_op(write)
 
     def _write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         self.tp.broadcast(data)
@@ -310,7 +337,7 @@ class ModelRunner:
         self._profile_step(kv, cfg.max_num_batched_tokens)
         peak = torch.cuda.max_memory_allocated(dev)
         graph_reserve = 0
-        if self.backend.cuda_graphs and not cfg.enforce_eager:
+        if self.backend.cuda_graphs and not cfg.enforce_eager and self.tp.size == 1:
             torch.cuda.reset_peak_memory_stats(dev)
             base = torch.cuda.memory_allocated(dev)
             self._profile_decode(kv, self.max_graph_batch)

@@ -39,6 +39,12 @@ INIT_TIMEOUT_S = 600.0        # joining the group, and any one collective of a s
 COMMAND_TIMEOUT_S = 10 * 365 * 86400.0   # ranks wait for rank 0's next command while idle
 
 
+class RankFailure(RuntimeError):
+    """A tensor-parallel operation failed on this rank (a rank died, or raised after rank 0's
+    command went out): the ranks may no longer agree on what comes next, so the engine stops
+    (its worker goes NOT_SERVING) rather than running on."""
+
+
 @dataclass(frozen=True)
 class TPGroup:
     """This process's place in its tensor-parallel group. size 1: no group, every collective
@@ -187,14 +193,17 @@ def start_followers(model_dir, model_cfg, cfg, threads: int, random_weights: boo
 
 
 def stop_followers(procs: list, timeout_s: float = 10.0) -> None:
+    """Close their pipes (a rank that missed the stop command exits on EOF), wait, kill what
+    is left."""
+    for p in procs:
+        if p.stdin is not None:
+            p.stdin.close()
     for p in procs:
         try:
             p.wait(timeout=timeout_s)
         except Exception:
             p.kill()
             p.wait()
-        if p.stdin is not None:
-            p.stdin.close()
 
 
 def _watch_parent(pipe) -> None:

@@ -153,7 +153,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
 def random_model(cfg: ModelConfig, opts: LayerOptions, dtype: torch.dtype,
                  device: str | torch.device, seed: int = 0, std: float = 0.02) -> nn.Module:
     """A model with random weights (normal(0, std); norms 1): shapes of a real model without
-    its files, for benchmarks and device checks."""
+    its files, for benchmarks and device checks. Tensor parallel: each rank draws its own shards
+    (seed per rank), so replicated KV heads differ between ranks: a speed check, not a model."""
     model = build_empty(cfg, opts, dtype, device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():

@@ -14,6 +14,10 @@ files: random weights, no network). Prints one summary table:
                1,024-token contexts, eager and with CUDA graphs, against the bandwidth floor:
                (weight bytes + KV bytes read) / measured device copy bandwidth
   prefill      a 2,048-token prompt: tokens/s and the share of the measured bf16 matmul peak
+  int8         the same decode steps with weight-only int8 linear layers (--quantization int8:
+               the Triton int8 kernel) against bf16's, and the weights' memory
+  tp           with two GPUs or more: a tiny model split over two ranks (NCCL) against one,
+               logits and greedy tokens (skipped with one GPU)
   sampler      the batched sampler with logits processing (logit_bias, min_tokens, penalties,
                grammar bitmasks, min-p / top-k / top-p) on the device against the per-row
                reference on the same logits, and its time per step at 256 rows
@@ -336,7 +340,10 @@ def _timed(fn, repeat: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def decode_and_prefill(report: Report, device: str, quick: bool) -> None:
+def decode_and_prefill(report: Report, device: str, quick: bool,
+                       steps: dict | None = None, quantization: str = "none") -> None:
+    """bf16 decode steps and a prefill; with quantization "int8" the decode steps only, each
+    against the bf16 step of the same batch and mode in `steps` (filled by the bf16 run)."""
     import torch
 
     from engine.attention.base import BatchLayout
@@ -354,19 +361,26 @@ def decode_and_prefill(report: Report, device: str, quick: bool) -> None:
     cfg = EngineConfig(device=device, dtype=dtype, compute_dtype=dtype, block_size=bs,
                        num_blocks=max(batches) * -(-ctx // bs) + prompt // bs + 1,
                        max_num_seqs=max(batches), max_num_batched_tokens=prompt,
-                       max_model_len=max(2048, prompt), attention_backend="triton")
+                       max_model_len=max(2048, prompt), attention_backend="triton",
+                       quantization=quantization)
+    int8 = quantization != "none"
+    section = "int8" if int8 else "decode"
     t0 = time.perf_counter()
     runner = ModelRunner(None, mc, cfg, random_weights=True)
     runner.kv.normal_()
     _sync(dev)
     setup = time.perf_counter() - t0
+    from engine.weights import weight_bytes as model_bytes
+
     params = list(runner.model.parameters())
-    weight_bytes = sum(p.numel() * p.element_size() for p in params)
-    weight_bytes -= runner.model.model.embed_tokens.weight.numel() * params[0].element_size()
+    embed = runner.model.model.embed_tokens.weight
+    # what a decode step reads: every weight but the embedding table (one row per token)
+    weight_bytes = model_bytes(runner.model) - embed.numel() * embed.element_size()
     kv_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * runner.kv.element_size()
     bw, peak = _copy_bandwidth(dev), _matmul_peak(dev)
-    report.add("decode", "setup", f"{sum(p.numel() for p in params) / 1e9:.2f} B params "
-               f"{dtype}, {runner.num_blocks} KV blocks, graphs "
+    report.add(section, "setup", f"{sum(p.numel() for p in params) / 1e9:.2f} B params "
+               f"{dtype}{' + int8 linear layers' if int8 else ''}, weights "
+               f"{model_bytes(runner.model) / 2**30:.2f} GiB, {runner.num_blocks} KV blocks, graphs "
                f"{runner.graphs.buckets if runner.graphs else 'off'}, {setup:.0f} s; copy "
                f"bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul peak {peak / 1e12:.0f} TFLOP/s")
     graphs = runner.graphs
@@ -379,12 +393,27 @@ def decode_and_prefill(report: Report, device: str, quick: bool) -> None:
             runner.graphs = graphs if mode == "graphs" else None
             step = _timed(lambda: runner.execute(inp), *((1, 1) if quick else (20, 3)))
             ratio = step / floor
-            target = "<= 1.5x floor" if batch in (1, 64) and mode == "graphs" else ""
-            ok = None if quick or not target else ratio <= 1.5
-            report.add("decode", f"batch {batch} ctx {ctx} {mode}",
-                       f"{step * 1e3:.2f} ms/step ({batch / step:.0f} tok/s); floor "
-                       f"{floor * 1e3:.2f} ms; {ratio:.2f}x", target, ok)
+            item = f"batch {batch} ctx {ctx} {mode}"
+            if not int8:
+                if steps is not None:
+                    steps[item] = step
+                target = "<= 1.5x floor" if batch in (1, 64) and mode == "graphs" else ""
+                ok = None if quick or not target else ratio <= 1.5
+                report.add("decode", item, f"{step * 1e3:.2f} ms/step ({batch / step:.0f} "
+                           f"tok/s); floor {floor * 1e3:.2f} ms; {ratio:.2f}x", target, ok)
+                continue
+            bf16 = (steps or {}).get(item)
+            vs = step / bf16 if bf16 else None
+            target = "< bf16's step" if batch == 1 else ""
+            ok = None if quick or not target or vs is None else vs < 1.0
+            report.add("int8", item, f"{step * 1e3:.2f} ms/step; "
+                       + (f"{vs:.2f}x bf16's {bf16 * 1e3:.2f} ms; " if vs else "")
+                       + f"floor {floor * 1e3:.2f} ms; {ratio:.2f}x", target, ok)
     runner.graphs = graphs
+    if int8:
+        del runner, graphs, params, embed
+        _release(device)
+        return
     greedy = SamplingParams(temperature=0, max_tokens=1)
     base = max(batches) * -(-ctx // bs)
     table = list(range(base, base + -(-prompt // bs)))
@@ -400,8 +429,48 @@ def decode_and_prefill(report: Report, device: str, quick: bool) -> None:
     report.add("prefill", f"{prompt}-token prompt", f"{seconds * 1e3:.1f} ms, "
                f"{prompt / seconds:.0f} tok/s, {flops / seconds / 1e12:.0f} TFLOP/s = "
                f"{share:.0%} of the matmul peak", ">= 40%", None if quick else share >= 0.40)
-    del runner, graphs, params
+    del runner, graphs, params, embed
     _release(device)
+
+
+# ---------------------------------------------------------------------------- tensor parallel
+def tensor_parallel(report: Report, device: str, quick: bool) -> None:
+    """A tiny HF Llama split over two GPUs (NCCL) against one: logits and greedy tokens."""
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    dev = torch.device(device)
+    first = dev.index or 0
+    if dev.type != "cuda" or torch.cuda.device_count() < first + 2:
+        report.add("tp", "2 ranks", "skipped: needs two GPUs from --device on", "", None)
+        return
+    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, TINY_HF["vocab_size"], (40,), generator=gen).tolist()
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (7, 19, 33)]
+    got = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        _tiny_hf("llama", Path(tmp), torch.float32)
+        for tp in (1, 2):
+            cfg = EngineConfig(device=f"cuda:{first}", dtype="float32", compute_dtype="float32",
+                               attention_backend="triton", num_blocks=64, block_size=16,
+                               max_num_batched_tokens=32, max_num_seqs=4,
+                               tensor_parallel_size=tp)
+            t0 = time.perf_counter()
+            eng = Engine(tmp, cfg)
+            try:
+                got[tp] = (engine_logits(eng, prompt), _engine_generate(eng, prompts, 16),
+                           time.perf_counter() - t0)
+            finally:
+                eng.close()
+            del eng
+            _release(device)
+    diff = float((got[2][0] - got[1][0]).abs().max())
+    same = got[2][1] == got[1][1]
+    report.add("tp", "2 ranks vs 1 (fp32, NCCL)", f"max |dlogit| {diff:.2e}, greedy tokens "
+               f"{'equal' if same else 'differ'}; start + run {got[2][2]:.0f} s",
+               "tokens equal, |dlogit| <= 1e-3", same and diff <= 1e-3)
 
 
 # ---------------------------------------------------------------------------- KV transfer
@@ -539,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
                         "with TRITON_INTERPRET=1)")
     p.add_argument("--families", default="llama,qwen2,qwen3", help="parity model families")
     p.add_argument("--skip", default="", help="comma list of sections to skip: kernels, "
-                   "parity, memory, decode, sampler, kv")
+                   "parity, memory, decode, int8, tp, sampler, kv")
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -556,11 +625,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu-check on {name}: torch {torch.__version__}, triton {triton.__version__}",
           flush=True)
     t0 = time.perf_counter()
+    steps: dict = {}            # bf16 decode steps, for the int8 rows
     sections = [("kernels", lambda: kernel_tests(report, args.device), not args.quick),
                 ("parity", lambda: parity(report, args.device, args.families.split(","),
                                           args.quick), True),
                 ("memory", lambda: memory_sizing(report, args.device), cuda),
-                ("decode", lambda: decode_and_prefill(report, args.device, args.quick), True),
+                ("decode", lambda: decode_and_prefill(report, args.device, args.quick, steps),
+                 True),
+                ("int8", lambda: decode_and_prefill(report, args.device, args.quick, steps,
+                                                    "int8"), True),
+                ("tp", lambda: tensor_parallel(report, args.device, args.quick), cuda),
                 ("sampler", lambda: sampler_check(report, args.device, args.quick), True),
                 ("kv", lambda: kv_roundtrip(report, args.device), True)]
     for section, run, wanted in sections:

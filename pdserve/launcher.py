@@ -190,7 +190,7 @@ def place_workers(device: str, num_gpus: int | None = None, prefill_tp: int = 1,
     both share from GPU 0 (half the memory each)."""
     if "," in device:
         prefill, decode = (d.strip() for d in device.split(",", 1))
-        return prefill, decode, 0.45 if prefill == decode else 0.9
+        return prefill, decode, 0.45 if _overlap(prefill, prefill_tp, decode, decode_tp) else 0.9
     if device != "cuda":
         return device, device, 0.9
     if num_gpus is None:
@@ -202,6 +202,16 @@ def place_workers(device: str, num_gpus: int | None = None, prefill_tp: int = 1,
         raise ValueError(f"tensor parallel size {max(prefill_tp, decode_tp)} needs as many "
                          f"GPUs; {num_gpus} visible")
     return "cuda:0", "cuda:0", 0.45
+
+
+def _overlap(a: str, a_ranks: int, b: str, b_ranks: int) -> bool:
+    """Whether two workers' devices (each its device and the ranks - 1 after it) share one."""
+    def devices(d: str, n: int) -> set[str]:
+        if not d.startswith("cuda"):
+            return {d}
+        first = int(d.partition(":")[2] or 0)
+        return {f"cuda:{first + r}" for r in range(n)}
+    return bool(devices(a, a_ranks) & devices(b, b_ranks))
 
 
 def role_tensor_parallel(args, role: str) -> int:

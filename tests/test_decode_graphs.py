@@ -91,5 +91,7 @@ def test_worker_defaults_follow_the_device():
                                                                             0.9)
     assert place_workers("cuda", num_gpus=2, prefill_tp=2, decode_tp=1) == ("cuda:0", "cuda:0",
                                                                             0.45)
+    assert place_workers("cuda:0,cuda:1", prefill_tp=2) == ("cuda:0", "cuda:1", 0.45)
+    assert place_workers("cuda:0,cuda:2", prefill_tp=2) == ("cuda:0", "cuda:2", 0.9)
     with pytest.raises(ValueError, match="tensor parallel size 4 needs as many GPUs; 2"):
         place_workers("cuda", num_gpus=2, prefill_tp=4)

@@ -116,18 +116,35 @@ def test_layout_handshake_maps_unequal_tp_and_refuses_other_heads():
         check_layout(KVLayout("float32", 16, 30, 3, 64, 3), KVLayout("float32", 16, 30, 6, 64, 3))
 
 
-def test_a_dead_rank_fails_the_next_step_at_once(tmp_path):
-    """No hang: the collective fails (and with it the engine: the worker goes NOT_SERVING)."""
+def test_a_dead_rank_stops_the_engine_at_once(tmp_path):
+    """No hang, no running on: the next step fails as a RankFailure, which ends the engine
+    thread (its worker goes NOT_SERVING), and the request gets the error."""
+    import asyncio
+
+    from engine.async_engine import AsyncEngine
+    from engine.parallel import RankFailure
+
     make_model(tmp_path, "llama")
     eng = _engine(tmp_path, 2)
-    try:
+
+    async def run():
+        deaths = []
+        aengine = AsyncEngine(eng, on_death=deaths.append)
+        aengine.start()
         rank1 = eng.runner._followers[0]
         rank1.kill()
         rank1.wait()
         t0 = time.monotonic()
-        with pytest.raises(RuntimeError, match="Connection closed by peer"):
-            engine_logits(eng, [1, 2, 3])
-        assert time.monotonic() - t0 < 10
+        q = await aengine.add(Request("r", [1, 2, 3], SamplingParams(max_tokens=4)))
+        out = await asyncio.wait_for(q.get(), 10)
+        await asyncio.sleep(0.1)
+        assert out.finish_reason == "error" and "tensor-parallel rank failure" in out.error
+        assert deaths and aengine.dead and time.monotonic() - t0 < 10
+        with pytest.raises(RankFailure):          # and nothing runs on it any more
+            eng.runner.read_blocks([0])
+        aengine.stop()
+    try:
+        asyncio.run(run())
     finally:
         eng.runner._followers = []
         eng.close()
