@@ -119,7 +119,7 @@ class Engine:
         port, procs = start_followers(model_dir, self.model_cfg, cfg, torch.get_num_threads(),
                                       random_weights)
         try:
-            tp = init_group(0, n, port, rank_device(cfg.device, 0))
+            tp = init_group(0, n, port, rank_device(cfg.device, 0), peers=procs)
             runner = ModelRunner(model_dir, self.model_cfg, cfg, None, random_weights, tp=tp)
         except BaseException:
             for p in procs:

@@ -179,3 +179,52 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def _collectives(rank: int, port: int, out) -> None:
+    """One rank: all-reduces and all-gathers through the group's shared memory, pieces of a
+    tensor larger than a slot included; what it got goes to `out`."""
+    from engine.parallel import ShmComm, init_group
+
+    torch.set_num_threads(1)
+    tp = init_group(rank, 2, port, "cpu")
+    assert tp.shm is not None
+    big = torch.full((3 * ShmComm.SLOT // 4 + 5,), float(rank + 1))      # 3+ pieces
+    small = torch.arange(6, dtype=torch.bfloat16).view(2, 3) * (rank + 1)
+    tp.all_reduce(big)
+    tp.all_reduce(small)
+    gathered = tp.all_gather(torch.tensor([[rank, 10 + rank]]), dim=-1)
+    out.put((rank, bool((big == 3.0).all()), small.tolist(), gathered.tolist()))
+    torch.distributed.destroy_process_group()
+
+
+def test_shared_memory_collectives():
+    import multiprocessing as mp
+
+    from engine.parallel import free_port
+
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_collectives, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(out.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(10)
+    for rank, big_ok, small, gathered in got:
+        assert big_ok
+        assert small == [[0.0, 3.0, 6.0], [9.0, 12.0, 15.0]]
+        assert gathered == [[0, 10, 1, 11]]
+
+
+def test_a_rank_that_exits_mid_collective_ends_the_wait():
+    from engine.parallel import ShmComm
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    shm = ShmComm(f"pdserve-test-{gone.pid}", 0, 2, peers=[gone])
+    shm.unlink()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank exited"):
+        shm.all_reduce(torch.ones(8))
+    assert time.monotonic() - t0 < 5
