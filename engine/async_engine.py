@@ -299,6 +299,8 @@ class AsyncEngine:
         except BaseException as exc:   # the thread is gone: nobody may wait on it any more
             log.critical("the engine thread died", exc_info=True)
             self._die(f"the worker's engine stopped: {type(exc).__name__}: {exc}")
+            if isinstance(exc, RankFailure):
+                self.engine.close()    # the other ranks go (they hold their shards' memory)
 
     def _die(self, reason: str) -> None:
         self.dead = reason

@@ -102,6 +102,7 @@ class ModelRunner:
         self._plan = None
         self._followers: list = []
         self.broken: str | None = None           # why a tensor-parallel operation failed
+        self._synced = False
 
     @property
     def max_graph_batch(self) -> int:
@@ -176,9 +177,12 @@ class ModelRunner:
         every later operation fails the same way (the ranks may be out of step)."""
         if self.broken is not None:
             raise RankFailure(self.broken)
+        self._synced = False
         try:
             return fn(*args)
         except Exception as exc:
+            if self._synced:     # rank 0's own work after the ranks' last collective (sampling)
+                raise
             self.broken = f"tensor-parallel rank failure: {type(exc).__name__}: {exc}"
             raise RankFailure(self.broken) from exc
 
@@ -206,6 +210,7 @@ class ModelRunner:
                 hidden = self.model(d["input_ids"][:t], d["positions"][:t], self.kv, meta)
             sel = hidden[:s] if contiguous else hidden[buf.dev["sample_rows"][:s].long()]
             logits = self.model.compute_logits(sel)                      # [S, vocab]
+            self._synced = True          # tensor parallel: the step's last collective is done
             tokens, logprobs, processed = ([], [], logits) if not inp.sampling else \
                 self.sampler.sample(logits, plan, buf.dev)
         return StepResult(tokens, logprobs, logits, processed)
@@ -255,8 +260,9 @@ class ModelRunner:
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Rank 0: kv[:, :, block_ids] = data (all KV heads), each rank taking its own."""
+        full = data.to(self.device, self.dtype).contiguous()     # before the command
+
         def write():
-            full = data.to(self.device, self.dtype).contiguous()     # before the command
             self.tp.command(("write", block_ids, tuple(full.shape)))
             self._write_blocks(block_ids, full)
         self._tp_op(write)
@@ -293,7 +299,11 @@ class ModelRunner:
         from engine.parallel import stop_followers
 
         try:
-            self.tp.command(("stop",))
+            if self.broken is not None:       # out of step: a command could wait forever
+                for p in self._followers:
+                    p.kill()
+            else:
+                self.tp.command(("stop",))
         except RuntimeError as exc:           # a rank is gone: the others see it too
             log.warning("tensor-parallel ranks did not all take the stop command: %s", exc)
         finally:

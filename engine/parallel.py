@@ -213,13 +213,16 @@ class ShmComm:
         self.rank, self.size = rank, size
         header = 64 * size                                   # a cache line per rank's flag
         total = header + 2 * size * self.SLOT
-        if rank == 0:
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            os.ftruncate(fd, total)
-        else:
-            fd = os.open(self.path, os.O_RDWR)
+        fd = os.open(self.path, (os.O_CREAT | os.O_EXCL | os.O_RDWR) if rank == 0 else os.O_RDWR,
+                     0o600)
         try:
+            if rank == 0:         # every page now: a full /dev/shm is ENOSPC here, not a SIGBUS
+                os.posix_fallocate(fd, 0, total)
             self._mm = mmap.mmap(fd, total)
+        except BaseException:
+            if rank == 0:
+                self.unlink()
+            raise
         finally:
             os.close(fd)
         self.flags = np.frombuffer(self._mm, dtype=np.int64, count=8 * size)[::8]
@@ -270,7 +273,7 @@ class ShmComm:
                                        f"collective within {self.WAIT_S:.0f} s")
 
     def all_reduce(self, t: torch.Tensor) -> None:
-        """t = the sum of every rank's t, in place."""
+        """t (contiguous) = the sum of every rank's t, in place."""
         flat = t.view(-1)
         per = self.SLOT // t.element_size()
         for i in range(0, flat.numel(), per):

@@ -29,6 +29,7 @@ import torch
 
 from engine.async_engine import AsyncEngine, EngineDead
 from engine.engine import KVLayout
+from engine.parallel import RankFailure
 from engine.request import TokenLogprob
 from kvtransfer.base import block_bytes
 from kvtransfer.integrity import block_checksums
@@ -95,6 +96,8 @@ class EngineSink:
                 return
             try:
                 self.staging.write_blocks(pool, ids, data)
+            except RankFailure:              # tensor parallel: the engine stops
+                raise
             except Exception as exc:     # the request must not run on KV that is not there
                 log.exception("request %s: writing received KV failed", request_id)
                 load.failed = f"writing the received KV into the pool failed: {exc}"
