@@ -10,6 +10,11 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+# --quantization: none (a pre-quantized checkpoint's own scheme, else full precision), int8
+# (weight-only, quantized at load), a pre-quantized format (must be the checkpoint's), or the
+# layers of a scheme with random weights (benchmarks). See engine.layers.quant_formats.
+QUANTIZATION_CHOICES = ("none", "int8", "gptq", "awq", "compressed-tensors", "w4a16", "w8a8")
+
 # CPU flags that make a 16-bit matmul faster than fp32 (oneDNN uses them).
 _NATIVE_CPU_FLAGS = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
 
@@ -162,7 +167,7 @@ class EngineConfig:
     enforce_eager: bool = False          # no CUDA graphs for decode-only steps
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory this engine may use
     max_request_kv_share: float = 1.0    # most of the KV pool one request (all choices) may need
-    quantization: str = "none"           # "int8": weight-only int8 linear layers (at load)
+    quantization: str = "none"           # QUANTIZATION_CHOICES; none: the checkpoint's own
     tensor_parallel_size: int = 1        # ranks the model is split over (engine.parallel)
 
     def __post_init__(self) -> None:
@@ -185,8 +190,9 @@ class EngineConfig:
         if not 1 <= self.spec_ngram_min <= self.spec_ngram_max:
             raise ValueError(f"n-gram sizes need 1 <= spec_ngram_min <= spec_ngram_max, got "
                              f"{self.spec_ngram_min}, {self.spec_ngram_max}")
-        if self.quantization not in ("none", "int8"):
-            raise ValueError(f"quantization must be 'none' or 'int8', got {self.quantization!r}")
+        if self.quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                             f"got {self.quantization!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.attention_backend not in ("auto", "torch", "triton"):

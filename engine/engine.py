@@ -125,6 +125,9 @@ class Engine:
             for p in procs:
                 p.kill()
             stop_followers(procs)
+            import torch.distributed as dist
+            if dist.is_initialized():      # so that this process can start another group
+                dist.destroy_process_group()
             raise
         runner._followers = procs
         log.info("tensor parallel: %d ranks (%s), KV heads per rank %d", n,

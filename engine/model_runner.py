@@ -31,7 +31,9 @@ from engine.attention.base import BatchLayout, BufferSizes, create_backend
 from engine.config import EngineConfig, ModelConfig, kv_bytes_per_block
 from engine.cuda_graphs import DecodeGraphs
 from engine.layers import LayerOptions
+from engine.layers import quant_formats
 from engine.layers.linear import linear_method_for
+from engine.layers.quant_formats import QuantScheme
 from engine.parallel import (SINGLE, RankFailure, ShardedKV, TPGroup, check_split, head_range,
                              local_config)
 from engine.request import SamplingParams, TokenLogprob
@@ -78,8 +80,11 @@ class ModelRunner:
         self.sizes = BufferSizes(cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_blocks)
         self.backend = create_backend(cfg.attention_backend, m, cfg.block_size, self.dtype,
                                       self.device, self.sizes)
-        opts = LayerOptions(self.backend, linear_method_for(self.device, self.dtype,
-                                                            cfg.quantization), tp)
+        quant = quant_formats.resolve(cfg.quantization, None if random_weights else model_dir)
+        self.quant_scheme = quant if isinstance(quant, QuantScheme) else None
+        opts = LayerOptions(self.backend, linear_method_for(self.device, self.dtype, quant), tp,
+                            head=linear_method_for(self.device, self.dtype)
+                            if self.quant_scheme else None)
         self.local_cfg, m_full = m, model_cfg
         if model is not None:
             self.model = model
@@ -87,7 +92,7 @@ class ModelRunner:
             self.model = random_model(m_full, opts, self.dtype, self.device, seed=tp.rank)
         else:
             self.model = load_model(model_dir, self.dtype, self.device, m_full, opts,
-                                    round_to=cfg.weight_dtype)
+                                    round_to=cfg.weight_dtype, scheme=self.quant_scheme)
         self.sampler = Sampler(m.eos_token_ids)
         self.buffers = self._new_buffers(self.sizes)
         self.num_blocks = cfg.num_blocks or self._blocks_from_memory()

@@ -7,12 +7,15 @@ merged q/k/v or gate/up projection, a tensor-parallel rank's slice). Checkpoint 
 handed over unread (`CheckpointTensor`): a loader reads only the rows or columns its rank holds,
 so no rank ever holds a full copy. Every parameter must be filled completely; then each layer's
 method prepares its weights once (`process_weights_after_loading`: the CPU kernels' packed
-layouts, quantization).
+layouts, quantization). A pre-quantized checkpoint's projections (GPTQ, AWQ, compressed-tensors)
+are converted to the layers' int8 weight and scales one projection at a time, then sharded by
+the same loaders.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -22,6 +25,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.layers import LayerOptions
 from engine.layers.linear import materialize
+from engine.layers.quant_formats import QuantScheme, canonical_tensors
 from engine.models import model_class
 
 log = logging.getLogger(__name__)
@@ -63,6 +67,9 @@ def build_empty(cfg: ModelConfig, opts: LayerOptions, dtype: torch.dtype,
     cls = model_class(cfg.family)
     with torch.device("meta"):
         model = cls(cfg, opts).to(dtype)
+        for m in model.modules():             # quantization scales stay float32
+            for name in getattr(m, "float32_params", ()):
+                getattr(m, name).data = getattr(m, name).data.float()
     model.to_empty(device=device)
     model.init_buffers(device)   # non-persistent buffers were built on the meta device
     return model
@@ -108,11 +115,14 @@ def _loader(model: nn.Module, name: str):
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device,
                cfg: ModelConfig, opts: LayerOptions,
-               round_to: torch.dtype | None = None) -> nn.Module:
+               round_to: torch.dtype | None = None,
+               scheme: QuantScheme | None = None) -> nn.Module:
     """A model from `model_dir` computing in `dtype` on `device`. With `round_to` (a narrower
-    dtype than `dtype`), weights are rounded to it first: a bf16 model computed in fp32. A tied
-    lm_head may be absent from the checkpoint; a checkpoint tensor with no parameter is an
-    error, except rotary caches some exporters add."""
+    dtype than `dtype`), weights are rounded to it first: a bf16 model computed in fp32. With
+    `scheme` (a pre-quantized checkpoint's), each quantized projection's tensors are converted
+    to the layers' int8 weight and scales first (engine.layers.quant_formats). A tied lm_head
+    may be absent from the checkpoint; a checkpoint tensor with no parameter is an error, except
+    rotary caches some exporters add."""
     d = Path(model_dir)
     files = sorted(d.glob("*.safetensors"))
     if not files:
@@ -122,22 +132,35 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
     params = dict(model.named_parameters())
     tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     filled: dict[str, set[int | None]] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as st:
-            for name in st.keys():
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue
-                target, shard = _target(name, packed)
-                if target in tied:
-                    continue
-                if target not in params:
-                    raise ValueError(f"{f.name}: unexpected tensor {name!r} for {cfg.family}")
-                param, loader = _loader(model, target)
-                try:
-                    loader(param, CheckpointTensor(st, name, round_to), shard)
-                except ValueError as exc:
-                    raise ValueError(f"{target}: {exc}") from None
-                filled.setdefault(target, set()).add(shard)
+    with ExitStack() as stack:
+        where: dict[str, tuple] = {}              # checkpoint name -> (open file, its name)
+        for f in files:
+            st = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+            where.update((name, (st, f.name)) for name in st.keys())
+        names = [n for n in where if not n.endswith("rotary_emb.inv_freq")]
+        tensors = (canonical_tensors(scheme, names, lambda n: where[n][0].get_tensor(n))
+                   if scheme is not None else ((n, None) for n in names))
+        for name, tensor in tensors:
+            target, shard = _target(name, packed)
+            if target in tied:
+                continue
+            st, fname = where.get(name, (None, "checkpoint"))
+            if target not in params:
+                raise ValueError(f"{fname}: unexpected tensor {name!r} for {cfg.family}"
+                                 + (f" quantized as {scheme.format}" if scheme else ""))
+            param, loader = _loader(model, target)
+            if tensor is None and param.dtype == torch.int8:
+                raise ValueError(f"{fname}: {name!r} is stored unquantized, but {target} is a "
+                                 f"{scheme.name} layer (only lm_head may stay unquantized)")
+            if tensor is not None and tensor.dtype == torch.int8 and param.dtype != torch.int8:
+                raise ValueError(f"{name}: {target} is quantized in this checkpoint; only "
+                                 "full-precision lm_head and embeddings are supported")
+            loaded = tensor if tensor is not None else CheckpointTensor(st, name, round_to)
+            try:
+                loader(param, loaded, shard)
+            except ValueError as exc:
+                raise ValueError(f"{target}: {exc}") from None
+            filled.setdefault(target, set()).add(shard)
     for name, shards in filled.items():
         module = model.get_submodule(name.rpartition(".")[0])
         want = len(getattr(module, "output_sizes", [None])) if None not in shards else 1
@@ -159,8 +182,14 @@ def random_model(cfg: ModelConfig, opts: LayerOptions, dtype: torch.dtype,
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
+            module = model.get_submodule(name.rpartition(".")[0])
+            qmax = getattr(module, "qmax", None)
             if "norm" in name:
                 p.fill_(1.0)
+            elif qmax is not None and name.endswith(".weight"):   # integer weights, uniform
+                p.random_(-qmax, qmax + 1, generator=gen)
+            elif qmax is not None and name.endswith(".weight_scale"):
+                p.fill_(std * 3 ** 0.5 / qmax)                 # the weights' std stays `std`
             else:
                 p.normal_(0.0, std, generator=gen)
     return finish(model)

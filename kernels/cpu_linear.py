@@ -1,6 +1,11 @@
 """fp32 linear layers on x86 CPUs with AVX2: y = x @ W.T (+ b) with W packed once, at load time;
 and weight-only int8 ones (`quantize_int8`, `pack_int8`, `linear_int8`): the same panels of
-int8, a quarter of the memory to stream, widened to fp32 in registers.
+int8, a quarter of the memory to stream; and int8 panels with group scales (`pack_group_scales`,
+`linear_int8_grouped`: pre-quantized 4- and 8-bit checkpoints, W[n, k] = q[n, k] * scale[n,
+k // G]). Either way each weight is widened and scaled to fp32, in registers for one or two rows
+(where decode is memory-bound), or once per call into an L1 buffer that every pass of up to 6
+rows reads (widening in each pass cost twice the time at 6 rows); both compute the same products
+and sums, so an int8 row, too, does not depend on its batch.
 
 The kernel (csrc/cpu_linear.cpp) streams each 16-feature panel of the weight from memory once
 per call (prefetching the next one into L2 while it computes) and reuses it from cache for every
@@ -68,7 +73,8 @@ def _library() -> ctypes.CDLL | None:
     lib.pdserve_linear_pack.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
     lib.pdserve_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
     lib.pdserve_linear_pack_i8.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
-    lib.pdserve_linear_i8.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ctypes.c_int]
+    lib.pdserve_linear_i8_grouped.argtypes = [ptr, i64, i64, ptr, i64, ptr, i64, ptr, ptr,
+                                              ctypes.c_int]
     lib.pdserve_linear_panel.restype = i64
     if lib.pdserve_linear_panel() != PANEL:
         log.warning("CPU linear kernel: panel width mismatch, using torch's")
@@ -132,18 +138,40 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
 def linear_int8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, out_features: int,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x[..., K] @ (q * scale).T (+ bias) with q from `pack_int8`, scale and bias from
-    `pad_bias` (padded to whole panels)."""
+    `pad_bias` (padded to whole panels): one group of K inputs."""
+    k, panels = x.shape[-1], -(-out_features // PANEL)
+    if scale.numel() != panels * PANEL:
+        raise ValueError(f"scale does not hold {out_features} features in whole panels")
+    return linear_int8_grouped(x, packed, scale.view(panels, 1, PANEL), k, out_features, bias)
+
+
+def pack_group_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Group scales [N, groups] as `linear_int8_grouped` reads them: [panel, group, 16] (zero
+    past N), so each group's 16 scales of a panel are one load."""
+    s = scale.detach().float().contiguous()
+    n, groups = s.shape
+    padded = torch.zeros(-(-n // PANEL) * PANEL, groups, dtype=torch.float32)
+    padded[:n] = s
+    return padded.view(-1, PANEL, groups).permute(0, 2, 1).contiguous()
+
+
+def linear_int8_grouped(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, group: int,
+                        out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x[..., K] @ W.T (+ bias), W[n, k] = q[n, k] * scale[n, k // group], with q from
+    `pack_int8`, scales from `pack_group_scales` and bias from `pad_bias`."""
     lib = _library()
     if lib is None:
         raise RuntimeError("CPU linear kernel unavailable (see available())")
     _check(x, "input")
-    _check(scale, "scale")
+    _check(scales, "scales")
     k = x.shape[-1]
-    padded = -(-out_features // PANEL) * PANEL
-    if packed.dtype != torch.int8 or packed.numel() != padded * k or scale.numel() != padded:
-        raise ValueError(f"packed int8 weight or scale does not hold {out_features} x {k}")
-    return _rows(x, out_features, lambda x2, m, y: lib.pdserve_linear_i8(
-        x2.data_ptr(), m, k, packed.data_ptr(), out_features, scale.data_ptr(),
+    panels = -(-out_features // PANEL)
+    if (packed.dtype != torch.int8 or packed.numel() != panels * PANEL * k or group <= 0
+            or k % group or tuple(scales.shape) != (panels, k // group, PANEL)):
+        raise ValueError(f"packed int8 weight or group scales do not hold {out_features} x {k} "
+                         f"in groups of {group}")
+    return _rows(x, out_features, lambda x2, m, y: lib.pdserve_linear_i8_grouped(
+        x2.data_ptr(), m, k, packed.data_ptr(), out_features, scales.data_ptr(), group,
         bias.data_ptr() if bias is not None else None, y.data_ptr(), torch.get_num_threads()))
 
 

@@ -11,6 +11,9 @@ import sys
 
 from pdserve.paths import default_model_dir
 
+# engine.config.QUANTIZATION_CHOICES (written out here: --help does not import torch)
+QUANTIZATION_CHOICES = ["none", "int8", "gptq", "awq", "compressed-tensors", "w4a16", "w8a8"]
+
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 ROLES = ("prefill", "decode", "gateway")
@@ -94,10 +97,14 @@ def _add_worker(p: argparse.ArgumentParser, role: str, port: int) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="attention (and norm/activation) kernels: torch (the CPU path and "
                         "reference) or triton; auto: triton on CUDA, torch elsewhere")
-    p.add_argument("--quantization", default="none", choices=["none", "int8"],
-                   help="int8: weight-only int8 linear layers, per output channel, quantized "
-                        "at load from any checkpoint (about a quarter of their memory; on "
-                        "AVX2 CPUs faster where decode is memory-bound)")
+    p.add_argument("--quantization", default="none", choices=QUANTIZATION_CHOICES,
+                   help="none: full precision, or a pre-quantized checkpoint's own format (read "
+                        "from its config.json: GPTQ and AWQ 4-bit, compressed-tensors W4A16 and "
+                        "W8A8); int8: weight-only int8 per output channel, quantized at load "
+                        "from any full-precision checkpoint (about a quarter of the linear "
+                        "layers' memory; on AVX2 CPUs faster where decode is memory-bound); "
+                        "gptq, awq, compressed-tensors: the checkpoint must be of that format; "
+                        "w4a16, w8a8: those layers with random weights (benchmarks)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="split the model over N ranks (processes): on CUDA --device and the "
                         "N-1 GPUs after it, NCCL between them; on CPUs N processes over gloo, "
@@ -548,6 +555,26 @@ def _add_linearbench(sub) -> None:
     p.set_defaults(target="pdserve.bench.linearbench:main")
 
 
+def _add_agreebench(sub) -> None:
+    p = sub.add_parser(
+        "agreebench", help="greedy agreement of a quantized model with fp32",
+        formatter_class=_DefaultsFormatter,
+        description="Decode ten mixed chat prompts greedily with the model in fp32 and with a "
+                    "quantized candidate (the same folder with --quantization, or --candidate: "
+                    "a pre-quantized checkpoint of it); print the share of identical tokens, "
+                    "where each prompt first diverges and each layer's relative error.")
+    p.add_argument("--model", default=None,
+                   help=f"full-precision model folder (default: {default_model_dir()})")
+    p.add_argument("--candidate", default=None,
+                   help="a pre-quantized checkpoint of --model (default: --model itself)")
+    p.add_argument("--quantization", default="int8", choices=QUANTIZATION_CHOICES,
+                   help="the candidate's --quantization (none: a pre-quantized candidate's own)")
+    p.add_argument("--tokens", type=int, default=48, help="greedy tokens per prompt")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--out", default=None, help="also write the figures as JSON here")
+    p.set_defaults(target="pdserve.bench.agreebench:main")
+
+
 def _add_stepbench(sub) -> None:
     p = sub.add_parser(
         "stepbench", help="an engine's decode step in process, and its share outside the linears",
@@ -562,8 +589,8 @@ def _add_stepbench(sub) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="attention kernels")
-    p.add_argument("--quantization", default="none", choices=["none", "int8"],
-                   help="int8: weight-only int8 linear layers (as the workers' flag)")
+    p.add_argument("--quantization", default="none", choices=QUANTIZATION_CHOICES,
+                   help="as the workers' flag; w4a16 / w8a8 with random weights (no --model)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="split the model over N ranks, --threads each (as the workers' flag)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
@@ -664,8 +691,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    model = sub.add_parser("model", help="manage the default model",
-                           description="Manage the default model (SmolLM2-135M-Instruct).")
+    model = sub.add_parser("model", help="fetch the default model, quantize a checkpoint",
+                           description="Fetch the default model (SmolLM2-135M-Instruct); "
+                                       "write a checkpoint in a pre-quantized format.")
     model_sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
     fetch = model_sub.add_parser(
         "fetch", help="fetch and convert the default model (safe to rerun)",
@@ -674,6 +702,24 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--dest", default=None, help=f"target folder (default: {default_model_dir()})")
     fetch.add_argument("--force", action="store_true", help="convert again even if present")
     fetch.set_defaults(target="pdserve.modelfetch:main")
+    quant = model_sub.add_parser(
+        "quantize", help="write a checkpoint as a pre-quantized one (round-to-nearest)",
+        description="Quantize every q/k/v/o/gate/up/down projection of a full-precision HF "
+                    "folder by round-to-nearest and write it in a published layout the workers "
+                    "serve: gptq (v1 zeros), gptq-v2, awq (GEMM), w4a16 / w4a16-asym "
+                    "(compressed-tensors pack-quantized) or w8a8 (compressed-tensors "
+                    "int-quantized, activations per token at run time). The layouts of those "
+                    "tools, not their calibrated accuracy.")
+    quant.add_argument("src", help="full-precision HF folder (config.json + *.safetensors)")
+    quant.add_argument("dest", help="folder to write")
+    quant.add_argument("--format", required=True,
+                       choices=["gptq", "gptq-v2", "awq", "w4a16", "w4a16-asym", "w8a8"])
+    quant.add_argument("--group-size", type=int, default=128,
+                       help="input features per scale for the 4-bit formats (must divide every "
+                            "projection's input size)")
+    quant.add_argument("--dequantized", default=None, metavar="DIR",
+                       help="also write the dequantized weights here as a plain fp32 folder")
+    quant.set_defaults(target="pdserve.quantize:main")
 
     _add_up(sub)
 
@@ -693,6 +739,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_kvbench(sub)
     _add_linearbench(sub)
     _add_stepbench(sub)
+    _add_agreebench(sub)
     _add_grammarbench(sub)
     _add_choicebench(sub)
     _add_chaos(sub)

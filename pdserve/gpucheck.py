@@ -16,6 +16,9 @@ files: random weights, no network). Prints one summary table:
   prefill      a 2,048-token prompt: tokens/s and the share of the measured bf16 matmul peak
   int8         the same decode steps with weight-only int8 linear layers (--quantization int8:
                the Triton int8 kernel) against bf16's, and the weights' memory
+  int4         the same with 4-bit weights in groups of 128 (the layers of GPTQ / AWQ /
+               compressed-tensors W4A16 checkpoints, their values held as int8: the Triton
+               grouped kernel) against bf16's
   tp           with two GPUs or more: a tiny model split over two ranks (NCCL) against one,
                logits and greedy tokens (skipped with one GPU)
   sampler      the batched sampler with logits processing (logit_bias, min_tokens, penalties,
@@ -186,7 +189,8 @@ def engine_logits(eng, ids: list[int]):
     return torch.cat(got)
 
 
-def _engine_generate(eng, prompts: list[list[int]], n: int) -> list[list[int]]:
+def engine_generate(eng, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy tokens (n each, EOS ignored) of `prompts` through `eng`, stepped in process."""
     from engine.request import Request, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -227,7 +231,7 @@ def parity(report: Report, device: str, families: list[str], quick: bool) -> Non
                 diff = float((got - ref).abs().max())
                 scale = float(ref.abs().max())
                 top1 = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
-                toks = _engine_generate(eng, prompts, new)
+                toks = engine_generate(eng, prompts, new)
                 with torch.no_grad():
                     want = [hf.generate(torch.tensor([p], device=dev), max_new_tokens=new,
                                         do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -342,8 +346,9 @@ def _timed(fn, repeat: int, warmup: int = 3) -> float:
 
 def decode_and_prefill(report: Report, device: str, quick: bool,
                        steps: dict | None = None, quantization: str = "none") -> None:
-    """bf16 decode steps and a prefill; with quantization "int8" the decode steps only, each
-    against the bf16 step of the same batch and mode in `steps` (filled by the bf16 run)."""
+    """bf16 decode steps and a prefill; with quantization "int8" or "w4a16" the decode steps
+    only, each against the bf16 step of the same batch and mode in `steps` (filled by the bf16
+    run)."""
     import torch
 
     from engine.attention.base import BatchLayout
@@ -363,8 +368,8 @@ def decode_and_prefill(report: Report, device: str, quick: bool,
                        max_num_seqs=max(batches), max_num_batched_tokens=prompt,
                        max_model_len=max(2048, prompt), attention_backend="triton",
                        quantization=quantization)
-    int8 = quantization != "none"
-    section = "int8" if int8 else "decode"
+    int8 = quantization != "none"                   # any quantized layers
+    section = {"none": "decode", "int8": "int8", "w4a16": "int4"}[quantization]
     t0 = time.perf_counter()
     runner = ModelRunner(None, mc, cfg, random_weights=True)
     runner.kv.normal_()
@@ -379,7 +384,7 @@ def decode_and_prefill(report: Report, device: str, quick: bool,
     kv_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * runner.kv.element_size()
     bw, peak = _copy_bandwidth(dev), _matmul_peak(dev)
     report.add(section, "setup", f"{sum(p.numel() for p in params) / 1e9:.2f} B params "
-               f"{dtype}{' + int8 linear layers' if int8 else ''}, weights "
+               f"{dtype}{f' + {quantization} linear layers' if int8 else ''}, weights "
                f"{model_bytes(runner.model) / 2**30:.2f} GiB, {runner.num_blocks} KV blocks, graphs "
                f"{runner.graphs.buckets if runner.graphs else 'off'}, {setup:.0f} s; copy "
                f"bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul peak {peak / 1e12:.0f} TFLOP/s")
@@ -406,7 +411,7 @@ def decode_and_prefill(report: Report, device: str, quick: bool,
             vs = step / bf16 if bf16 else None
             target = "< bf16's step" if batch == 1 else ""
             ok = None if quick or not target or vs is None else vs < 1.0
-            report.add("int8", item, f"{step * 1e3:.2f} ms/step; "
+            report.add(section, item, f"{step * 1e3:.2f} ms/step; "
                        + (f"{vs:.2f}x bf16's {bf16 * 1e3:.2f} ms; " if vs else "")
                        + f"floor {floor * 1e3:.2f} ms; {ratio:.2f}x", target, ok)
     runner.graphs = graphs
@@ -460,7 +465,7 @@ def tensor_parallel(report: Report, device: str, quick: bool) -> None:
             t0 = time.perf_counter()
             eng = Engine(tmp, cfg)
             try:
-                got[tp] = (engine_logits(eng, prompt), _engine_generate(eng, prompts, 16),
+                got[tp] = (engine_logits(eng, prompt), engine_generate(eng, prompts, 16),
                            time.perf_counter() - t0)
             finally:
                 eng.close()
@@ -608,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
                         "with TRITON_INTERPRET=1)")
     p.add_argument("--families", default="llama,qwen2,qwen3", help="parity model families")
     p.add_argument("--skip", default="", help="comma list of sections to skip: kernels, "
-                   "parity, memory, decode, int8, tp, sampler, kv")
+                   "parity, memory, decode, int8, int4, tp, sampler, kv")
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -634,6 +639,8 @@ def main(argv: list[str] | None = None) -> int:
                  True),
                 ("int8", lambda: decode_and_prefill(report, args.device, args.quick, steps,
                                                     "int8"), True),
+                ("int4", lambda: decode_and_prefill(report, args.device, args.quick, steps,
+                                                    "w4a16"), True),
                 ("tp", lambda: tensor_parallel(report, args.device, args.quick), cuda),
                 ("sampler", lambda: sampler_check(report, args.device, args.quick), True),
                 ("kv", lambda: kv_roundtrip(report, args.device), True)]

@@ -173,6 +173,86 @@ def test_int8_kernel_matches_dequantize_then_matmul(m, n, k, with_bias):
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=2e-6 * k ** 0.5)
 
 
+@needs_kernel
+@pytest.mark.parametrize("m,n,k,group", [(1, 16, 128, 128), (2, 40, 256, 128), (3, 48, 64, 32),
+                                         (7, 33, 384, 128), (1, 576, 1536, 128), (4, 1, 32, 16)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_grouped_int8_kernel_matches_dequantize_then_matmul(m, n, k, group, with_bias):
+    """Group scales (pre-quantized 4-bit checkpoints: values in [-15, 15]), rows 1 to 7 (the
+    kernel's passes take 3), an N that is not whole panels."""
+    from engine.layers.quant_formats import grouped_reference
+    x, _, b = _case(m, n, k, with_bias)
+    g = torch.Generator().manual_seed(m * n + k)
+    q = torch.randint(-15, 16, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, k // group, generator=g) * 0.02 + 1e-3
+    y = cpu_linear.linear_int8_grouped(x, cpu_linear.pack_int8(q),
+                                       cpu_linear.pack_group_scales(scale), group, n,
+                                       cpu_linear.pad_bias(b))
+    ref = grouped_reference(x.double(), q, scale.double(), None if b is None else b.double())
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=2e-6 * k ** 0.5)
+    with pytest.raises(ValueError, match="group scales"):
+        cpu_linear.linear_int8_grouped(x, cpu_linear.pack_int8(q),
+                                       cpu_linear.pack_group_scales(scale), group * 2, n)
+
+
+@needs_kernel
+@pytest.mark.parametrize("group", [0, 64])
+def test_an_int8_row_does_not_depend_on_its_batch(group):
+    """Few rows take the register kernel, more the L1 buffer: the same products and sums, so a
+    row's result is bit-identical alone or in any batch (per channel and with group scales)."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randint(-15, 16, (200, 576), generator=g, dtype=torch.int8)
+    b = cpu_linear.pad_bias(torch.randn(200, generator=g))
+    x = torch.randn(17, 576, generator=g)
+    packed = cpu_linear.pack_int8(q)
+    if group:
+        scales = cpu_linear.pack_group_scales(torch.rand(200, 576 // group, generator=g))
+        run = lambda rows: cpu_linear.linear_int8_grouped(rows, packed, scales, group, 200, b)  # noqa: E731
+    else:
+        scale = cpu_linear.pad_bias(torch.rand(200, generator=g))
+        run = lambda rows: cpu_linear.linear_int8(rows, packed, scale, 200, b)  # noqa: E731
+    full = run(x)
+    for i in (0, 5, 6, 11, 16):
+        assert torch.equal(run(x[i:i + 1])[0], full[i])
+        assert torch.equal(run(x[i:i + 2])[0], full[i])
+    assert torch.equal(run(x[3:12]), full[3:12])
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(run(x), full)
+    finally:
+        torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_w8a8_layers_quantize_each_row_of_activations(kernel):
+    """Dynamic per-token int8 activations: each row rounded with its own scale, exactly the
+    dequantized product of those integers."""
+    from engine.layers.linear import QuantizedMethod, quantize_per_token
+    from engine.layers.quant_formats import QuantScheme
+    if kernel and not cpu_linear.cpu_supported():
+        pytest.skip("the int8 kernel targets AVX2 x86 CPUs")
+    torch.manual_seed(30)
+    scheme = QuantScheme.random("w8a8")
+    layer = Linear(24, 40, True, QuantizedMethod(scheme, kernel))
+    q = torch.randint(-127, 128, (40, 24), dtype=torch.int8)
+    s = torch.rand(40, 1) * 0.01
+    with torch.no_grad():
+        layer.weight.data.copy_(q)
+        layer.weight_scale.data.copy_(s)
+        layer.bias.data.normal_()
+    bias = layer.bias.detach().clone()
+    layer.process_weights_after_loading()
+    x = torch.randn(5, 24) * torch.logspace(-2, 2, 5)[:, None]      # rows of every size
+    xq, xs = quantize_per_token(x)
+    assert xs.shape == (5, 1) and xq.abs().max() == 127 and torch.equal(xq, xq.round())
+    with torch.inference_mode():
+        got = layer(x)
+    ref = F.linear(xq * xs, q.float() * s, bias)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    assert layer.weight is None and not hasattr(layer, "weight_scale")
+
+
 @pytest.mark.parametrize("kernel", [False, True])
 def test_int8_layers_quantize_after_loading_and_drop_the_float_weight(kernel):
     if kernel and not cpu_linear.cpu_supported():

@@ -23,7 +23,8 @@ def test_gpu_check_quick_on_cpu(tmp_path):
     rows = json.loads(out.read_text())
     checks = {(r[0], r[1]) for r in rows}
     assert ("parity", "qwen3 float32") in checks
-    assert {("decode", "batch 1 ctx 32 eager"), ("prefill", "32-token prompt")} <= checks
+    assert {("decode", "batch 1 ctx 32 eager"), ("prefill", "32-token prompt"),
+            ("int8", "batch 1 ctx 32 eager"), ("int4", "batch 1 ctx 32 eager")} <= checks
     assert all(r[4] is not False for r in rows)
     parity = next(r for r in rows if r[0] == "parity")
     assert "greedy 12/12 same" in parity[2]

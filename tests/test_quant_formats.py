@@ -9,27 +9,19 @@ import torch
 
 from engine.layers.quant_formats import (from_awq, from_compressed_tensors, from_gptq,
                                          from_int_quantized, grouped_reference, unpack_int32)
+from pdserve.quantize import pack_int32
 
 
 def _word(v: int) -> int:
     return v - (1 << 32) if v >= 1 << 31 else v
 
 
-def _pack(values: torch.Tensor, bits: int, dim: int, fields=None) -> torch.Tensor:
-    """Writer side: unsigned values packed 32 / bits per int32 along `dim`."""
-    per = 32 // bits
-    v = values.to(torch.int64) if dim == 1 else values.t().to(torch.int64)
-    r, c = v.shape
-    v = v.view(r, c // per, per)
-    words = torch.zeros(r, c // per, dtype=torch.int64)
-    for j in range(per):
-        field = fields[j] if fields is not None else j
-        words |= v[:, :, j] << (bits * field)
-    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
-    return words if dim == 1 else words.t().contiguous()
-
-
 def test_known_words():
+    """Packing here (pdserve.quantize, the tests' writer) and reading both give the words the
+    formats' own writers produce."""
+    assert pack_int32(torch.arange(8)[None], 4, 1).tolist() == [[_word(0x76543210)]]
+    assert pack_int32(torch.arange(8)[None], 4, 1, (0, 4, 1, 5, 2, 6, 3, 7)).tolist() == \
+        [[_word(0x75316420)]]
     assert unpack_int32(torch.tensor([[_word(0x76543210)]], dtype=torch.int32), 4, 1).tolist() \
         == [list(range(8))]
     # AWQ: columns 0..7 holding 0..7 are the word 0x75316420
@@ -59,8 +51,8 @@ def test_gptq_v1_round_trip_with_zero_zeros():
     q, z, s, w = _weights()
     z[0, 0] = 0                                  # the borrow case of v1's z - 1 words
     w = (q - z.repeat_interleave(128, 1)) * s.repeat_interleave(128, 1)
-    qweight = _pack(q.t(), 4, 0)                                  # [K / 8, N]
-    stored = _pack(z.t(), 4, 1).to(torch.int64) - 0x11111111      # v1: whole words minus 1s
+    qweight = pack_int32(q.t(), 4, 0)                                  # [K / 8, N]
+    stored = pack_int32(z.t(), 4, 1).to(torch.int64) - 0x11111111    # v1: whole words minus 1s
     qzeros = torch.where(stored < -(1 << 31), stored + (1 << 32), stored).to(torch.int32)
     got_q, got_s = from_gptq(qweight, qzeros, s.t().half(), 4, 128,
                              g_idx=torch.arange(256) // 128)
@@ -72,14 +64,15 @@ def test_gptq_v1_round_trip_with_zero_zeros():
 def test_gptq_act_order_is_refused():
     q, z, s, _ = _weights()
     with pytest.raises(ValueError, match="act-order"):
-        from_gptq(_pack(q.t(), 4, 0), _pack(z.t(), 4, 1), s.t(), 4, 128,
+        from_gptq(pack_int32(q.t(), 4, 0), pack_int32(z.t(), 4, 1), s.t(), 4, 128,
                   g_idx=torch.randperm(256) // 128)
 
 
 def test_awq_round_trip():
     q, z, s, w = _weights(seed=1)
     fields = (0, 4, 1, 5, 2, 6, 3, 7)
-    got_q, got_s = from_awq(_pack(q.t(), 4, 1, fields), _pack(z.t(), 4, 1, fields), s.t(), 128)
+    got_q, got_s = from_awq(pack_int32(q.t(), 4, 1, fields), pack_int32(z.t(), 4, 1, fields),
+                            s.t(), 128)
     torch.testing.assert_close(got_q.float() * got_s.repeat_interleave(128, 1), w.float())
 
 
@@ -87,12 +80,25 @@ def test_compressed_tensors_round_trips():
     g = torch.Generator().manual_seed(2)
     signed = torch.randint(-8, 8, (24, 256), generator=g)
     s = torch.rand(24, 2, generator=g)
-    q, got_s = from_compressed_tensors(_pack(signed + 8, 4, 1), s, torch.tensor([24, 256]), 4)
+    q, got_s = from_compressed_tensors(pack_int32(signed + 8, 4, 1), s, torch.tensor([24, 256]), 4)
     assert torch.equal(q.long(), signed) and torch.equal(got_s, s)
     z = torch.randint(-8, 8, (24, 2), generator=g)                # asymmetric: zero points
-    q, _ = from_compressed_tensors(_pack(signed + 8, 4, 1), s, torch.tensor([24, 256]), 4,
-                                   weight_zero_point=_pack((z + 8).t(), 4, 1).t().contiguous())
+    q, _ = from_compressed_tensors(pack_int32(signed + 8, 4, 1), s, torch.tensor([24, 256]), 4,
+                                   weight_zero_point=pack_int32((z + 8).t(), 4, 1).t().contiguous())
     assert torch.equal(q.long(), signed - z.repeat_interleave(128, 1))
     w8 = torch.randint(-127, 128, (24, 256), generator=g, dtype=torch.int8)
     q, s1 = from_int_quantized(w8, torch.rand(24, 1))
     assert q.dtype == torch.int8 and s1.shape == (24, 1)
+
+
+def test_gptq_8_bit_round_trip():
+    """Four values a word; v1 zeros minus 1 word by word (0x01010101)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 256, (16, 256), generator=g)
+    z = torch.randint(1, 256, (16, 2), generator=g)
+    s = torch.rand(16, 2, generator=g) * 0.01
+    stored = pack_int32(z.t(), 8, 1).to(torch.int64) - 0x01010101
+    qzeros = torch.where(stored < -(1 << 31), stored + (1 << 32), stored).to(torch.int32)
+    got_q, got_s = from_gptq(pack_int32(q.t(), 8, 0), qzeros, s.t(), 8, 128)
+    assert torch.equal(got_q.long(), q - z.repeat_interleave(128, 1))
+    assert torch.equal(got_s, s)

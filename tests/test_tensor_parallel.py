@@ -18,7 +18,7 @@ from engine.engine import Engine, KVLayout
 from engine.parallel import check_split, head_range
 from engine.request import Request, SamplingParams
 from kvtransfer.base import LayoutMismatch, check_layout
-from pdserve.gpucheck import engine_logits
+from pdserve.gpucheck import engine_generate, engine_logits
 from tests.test_model_parity import make_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,14 +30,8 @@ def _engine(path, tp: int, **kw) -> Engine:
                                      tensor_parallel_size=tp, **kw))
 
 
-def _greedy(eng: Engine) -> dict[str, list[int]]:
-    for i, p in enumerate(PROMPTS):
-        eng.add_request(Request(str(i), p, SamplingParams(temperature=0, max_tokens=12,
-                                                          ignore_eos=True)))
-    got: dict[str, list[int]] = {}
-    while eng.has_work():
-        for o in eng.step():
-            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+def _greedy(eng: Engine) -> list[list[int]]:
+    got = engine_generate(eng, PROMPTS, 12)
     assert eng.pool.num_free == eng.pool.num_blocks
     return got
 

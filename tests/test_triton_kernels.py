@@ -375,17 +375,40 @@ def test_silu_and_mul(dtype):
     _close(out, want, dtype, tol=TOL[dtype])
 
 
-# ------------------------------------------------------------------ weight-only int8 linear
+# ------------------------------------------------------------------ integer-weight linear
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k,with_bias", [(1, 70, 96, False), (5, 64, 64, True),
                                              (20, 33, 130, True), (0, 16, 16, False)])
 def test_int8_linear_matches_dequantize_then_matmul(dtype, m, n, k, with_bias):
-    from kernels.triton_int8_linear import int8_linear, int8_linear_ref
+    """Per output channel (--quantization int8): scale [N]."""
+    from kernels.triton_quant_linear import quant_linear, quant_linear_ref
     g = torch.Generator().manual_seed(m + n + k)
     x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8).to(DEVICE)
     scale = (torch.rand(n, generator=g) / (127 * k ** 0.5)).to(DEVICE)
     bias = torch.randn(n, generator=g).to(DEVICE, dtype) if with_bias else None
-    got = int8_linear(x, q, scale, bias)
+    got = quant_linear(x, q, scale, bias)
     assert got.shape == (m, n) and got.dtype == dtype
-    _close(got, int8_linear_ref(x, q, scale, bias), dtype)
+    _close(got, quant_linear_ref(x, q, scale, bias), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,group,with_bias", [(1, 70, 256, 128, False),
+                                                   (5, 64, 128, 32, True),
+                                                   (17, 33, 96, 16, True),
+                                                   (3, 40, 64, 64, False)])
+def test_grouped_linear_matches_dequantize_then_matmul(dtype, m, n, k, group, with_bias):
+    """Group scales [N, K / G] (pre-quantized 4-bit checkpoints: values in [-15, 15])."""
+    from engine.layers.quant_formats import grouped_reference
+    from kernels.triton_quant_linear import quant_linear, quant_linear_ref
+    g = torch.Generator().manual_seed(m + n + k + group)
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    q = torch.randint(-15, 16, (n, k), generator=g, dtype=torch.int8).to(DEVICE)
+    scale = (torch.rand(n, k // group, generator=g) / (8 * k ** 0.5) + 1e-3).to(DEVICE)
+    bias = torch.randn(n, generator=g).to(DEVICE, dtype) if with_bias else None
+    got = quant_linear(x, q, scale, bias)
+    assert got.shape == (m, n) and got.dtype == dtype
+    _close(got, quant_linear_ref(x, q, scale, bias), dtype)
+    want = grouped_reference(x.float().cpu(), q.cpu(), scale.cpu(),
+                             None if bias is None else bias.float().cpu())
+    _close(got.cpu(), want.to(dtype), dtype, tol=TOL[dtype] * 2)

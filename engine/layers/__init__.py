@@ -18,6 +18,11 @@ class LayerOptions:
     attention: AttentionBackend     # also decides the norms' and activation's kernels
     linear: LinearMethod
     tp: TPGroup = SINGLE            # this rank's tensor-parallel group (engine.parallel)
+    head: LinearMethod | None = None   # lm_head's, when not `linear` (pre-quantized: dense)
+
+    @property
+    def head_linear(self) -> LinearMethod:
+        return self.head or self.linear
 
     @property
     def kernels(self) -> str:

@@ -9,8 +9,10 @@ column-parallel (each projection split on its own), `ColumnParallelLinear` split
 (lm_head over the vocabulary) and `RowParallelLinear` the input, with an all-reduce; each loader
 reads only its rank's slice of the checkpoint tensor. Nothing is swapped after loading.
 
-How a layer computes is its LinearMethod, chosen when the model is built (`linear_method_for`);
-`process_weights_after_loading` lets the method repack the loaded weight once:
+How a layer computes is its LinearMethod, chosen when the model is built (`linear_method_for`).
+The method creates the layer's weight parameters (`create_weights`: a float `weight`, or a
+pre-quantized checkpoint's int8 `weight` and float32 `weight_scale`, which the same loaders
+shard), and `process_weights_after_loading` lets it repack them once:
 - `DenseMethod`: F.linear (GPUs, 16-bit dtypes, hosts without a faster kernel).
 - `Avx2Method` (kernels/cpu_linear.py, ours) on x86 CPUs whose best vector ISA is AVX2: at memory
   speed up to ~9 rows and near the FMA peak beyond, where oneDNN reaches 60-80% of the peak
@@ -18,6 +20,9 @@ How a layer computes is its LinearMethod, chosen when the model is built (`linea
 - `OneDnnMethod` elsewhere on fp32 CPUs with torch's oneDNN ops (AVX-512, AMX): the weight packed
   once in oneDNN's layout instead of MKL repacking it on every small-batch call.
 - `Int8Method` (--quantization int8): weight-only int8 per output channel, quantized at load.
+- `QuantizedMethod`: a pre-quantized checkpoint's integer weights with group or channel scales
+  (GPTQ, AWQ, compressed-tensors W4A16 / W8A8; engine.layers.quant_formats), activations
+  quantized per token for W8A8.
 The packed methods drop the plain weight after packing (a tied one stays with its other user).
 """
 
@@ -29,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.quant_formats import QuantScheme
 from engine.parallel import SINGLE, TPGroup
 from kernels import cpu_linear
 
@@ -47,6 +53,11 @@ class LinearMethod:
     """How a Linear computes y = x @ W.T + b. Stateless: what it prepares lives on the layer."""
 
     name = "dense"
+
+    def create_weights(self, layer: "Linear") -> None:
+        """The layer's weight parameters (the bias is the layer's own)."""
+        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features),
+                                    requires_grad=False)
 
     def process_weights_after_loading(self, layer: "Linear") -> None:
         pass
@@ -92,54 +103,124 @@ class OneDnnMethod(LinearMethod):
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
 
 
-class Int8Method(LinearMethod):
-    """Weight-only int8, per output channel, symmetric (quantized at load: any checkpoint):
-    W ~= q * scale. On AVX2 fp32 CPUs the int8 panels of kernels/cpu_linear.py (a quarter of
-    the bytes to stream: faster where decode is memory-bound); on CUDA the Triton kernel of
-    kernels/triton_int8_linear.py (int8 tiles widened in registers); elsewhere the torch
-    reference, dequantize-then-matmul (correct, not fast)."""
+class IntegerWeights(LinearMethod):
+    """Integer weights q [N, K] (int8 storage) with float32 scales [N, groups] (one group: per
+    output channel): W[n, k] = q[n, k] * scale[n, k // (K / groups)]. On AVX2 fp32 CPUs the
+    int8 panels of kernels/cpu_linear.py (a quarter of fp32's bytes to stream: faster where
+    decode is memory-bound); on CUDA the Triton kernel of kernels/triton_quant_linear.py (int8
+    tiles widened in registers); elsewhere the torch reference, dequantize-then-matmul (correct,
+    not fast). With `act_bits` 8 (W8A8), each row of x is first quantized to int8 with its own
+    scale (dynamic, per token), as the checkpoint was calibrated."""
 
-    name = "int8"
+    act_bits = 16
 
     def __init__(self, kernel: bool) -> None:
         self.kernel = kernel
 
+    def _prepare(self, layer: "Linear", q: torch.Tensor, scale: torch.Tensor) -> None:
+        """Hold q [N, K] int8 and scale [N, groups] float32 in this method's layout."""
+        layer.groups = scale.shape[1]
+        layer.group = layer.in_features // layer.groups
+        if self.kernel:
+            layer.register_buffer("packed", cpu_linear.pack_int8(q.cpu()), persistent=False)
+            layer.register_buffer("packed_bias", cpu_linear.pad_bias(layer.bias),
+                                  persistent=False)
+            packed_scale = (cpu_linear.pad_bias(scale[:, 0].contiguous()) if layer.groups == 1
+                            else cpu_linear.pack_group_scales(scale))
+            layer.register_buffer("scale", packed_scale, persistent=False)
+        else:
+            layer.register_buffer("qweight", q.contiguous(), persistent=False)
+            layer.register_buffer("scale", scale.float().contiguous(), persistent=False)
+
+    def _matmul(self, layer: "Linear", x: torch.Tensor, bias: torch.Tensor | None
+                ) -> torch.Tensor:
+        if self.kernel:
+            if layer.groups == 1:
+                return cpu_linear.linear_int8(x, layer.packed, layer.scale, layer.out_features,
+                                              bias)
+            return cpu_linear.linear_int8_grouped(x, layer.packed, layer.scale, layer.group,
+                                                  layer.out_features, bias)
+        if x.is_cuda:
+            from kernels.triton_quant_linear import quant_linear
+            return quant_linear(x, layer.qweight, layer.scale, bias)
+        w = layer.qweight.to(x.dtype) * layer.scale.to(x.dtype).repeat_interleave(layer.group, 1)
+        return F.linear(x, w, bias)
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        bias = layer.packed_bias if self.kernel else layer.bias
+        if self.act_bits == 16:
+            return self._matmul(layer, x, bias)
+        xq, xs = quantize_per_token(x)
+        y = (self._matmul(layer, xq, None).float() * xs).to(x.dtype)
+        return y if layer.bias is None else y + layer.bias.to(y.dtype)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric int8 per row: x ~= xq * scale, xq integers in [-127, 127] held in x's
+    dtype (exact in fp32, fp16 and bf16), scale [..., 1] float32."""
+    scale = (x.float().abs().amax(dim=-1, keepdim=True) / 127.0).clamp_min(1e-12)
+    return torch.round(x.float() / scale).clamp_(-127, 127).to(x.dtype), scale
+
+
+class Int8Method(IntegerWeights):
+    """--quantization int8: weight-only int8, per output channel, symmetric, quantized at load
+    from any checkpoint's float weight (W ~= q * scale)."""
+
+    name = "int8"
+
     def process_weights_after_loading(self, layer: "Linear") -> None:
         q, scale = cpu_linear.quantize_int8(layer.weight)
         device = layer.weight.device
-        if self.kernel:
-            layer.register_buffer("packed", cpu_linear.pack_int8(q), persistent=False)
-            layer.register_buffer("scale", cpu_linear.pad_bias(scale), persistent=False)
-            layer.register_buffer("packed_bias", cpu_linear.pad_bias(layer.bias),
-                                  persistent=False)
-        else:
-            layer.register_buffer("qweight", q.to(device), persistent=False)
-            layer.register_buffer("scale", scale.to(device), persistent=False)
         _drop_weight(layer)
+        self._prepare(layer, q.to(device), scale.to(device)[:, None])
 
-    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
-        if self.kernel:
-            return cpu_linear.linear_int8(x, layer.packed, layer.scale, layer.out_features,
-                                          layer.packed_bias)
-        if x.is_cuda:
-            from kernels.triton_int8_linear import int8_linear
-            return int8_linear(x, layer.qweight, layer.scale, layer.bias)
-        w = layer.qweight.to(x.dtype) * layer.scale.to(x.dtype)[:, None]
-        return F.linear(x, w, layer.bias)
+
+class QuantizedMethod(IntegerWeights):
+    """A pre-quantized checkpoint's linear layers (`scheme`: GPTQ, AWQ, compressed-tensors):
+    parameters `weight` int8 [N, K] (the stored value minus its zero point) and `weight_scale`
+    float32 [N, K / group] ([N, 1] per channel), filled by the layers' own loaders from the
+    tensors engine.layers.quant_formats converts."""
+
+    def __init__(self, scheme: QuantScheme, kernel: bool) -> None:
+        super().__init__(kernel)
+        self.scheme = scheme
+        self.name = scheme.name
+        self.act_bits = scheme.act_bits
+
+    def create_weights(self, layer: "Linear") -> None:
+        k, group = layer.in_features, self.scheme.group
+        if group and k % group:
+            raise ValueError(f"{k} input features (per tensor-parallel rank) are not whole "
+                             f"groups of {group}: this checkpoint cannot be split so")
+        groups = k // group if group else 1
+        layer.weight = nn.Parameter(torch.empty(layer.out_features, k, dtype=torch.int8),
+                                    requires_grad=False)
+        layer.weight_scale = nn.Parameter(torch.empty(layer.out_features, groups),
+                                          requires_grad=False)
+        layer.float32_params = ("weight_scale",)      # not rounded to the model's dtype
+        layer.qmax = (1 << (self.scheme.bits - 1)) - 1     # random weights' range
+
+    def process_weights_after_loading(self, layer: "Linear") -> None:
+        q, scale = layer.weight.data, layer.weight_scale.data
+        del layer.weight_scale
+        _drop_weight(layer)
+        self._prepare(layer, q, scale)
 
 
 QUANTIZATIONS = ("none", "int8")
 
 
 def linear_method_for(device: torch.device, dtype: torch.dtype,
-                      quantization: str = "none") -> LinearMethod:
+                      quantization: str | QuantScheme = "none") -> LinearMethod:
     """The method this host runs best for weights of `dtype` on `device`, quantized as
-    `quantization` says ("none", "int8")."""
+    `quantization` says ("none", "int8", or a pre-quantized checkpoint's scheme)."""
+    kernel = device.type == "cpu" and dtype == torch.float32 and cpu_linear.available()
+    if isinstance(quantization, QuantScheme):
+        return QuantizedMethod(quantization, kernel)
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     if quantization == "int8":
-        return Int8Method(kernel=device.type == "cpu" and dtype == torch.float32
-                          and cpu_linear.available())
+        return Int8Method(kernel)
     if device.type == "cpu" and dtype == torch.float32:
         if cpu_linear.available():
             return Avx2Method()
@@ -190,7 +271,7 @@ class Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.method = method or DenseMethod()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.method.create_weights(self)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
         else:
@@ -294,8 +375,12 @@ class RowParallelLinear(Linear):
             else:
                 param.data.zero_()
             return
-        _check_shape(loaded, (param.shape[0], self.full_in))
-        param.data.copy_(loaded.narrow(1, self.tp.rank * self.in_features, self.in_features))
+        if param is getattr(self, "weight_scale", None) and loaded.shape[1] == 1:
+            _copy_loader(param, loaded)                 # per channel: every rank's whole
+            return
+        width = param.shape[1]                          # input features, or scale groups
+        _check_shape(loaded, (param.shape[0], width * self.tp.size))
+        param.data.copy_(loaded.narrow(1, self.tp.rank * width, width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.method.apply(self, x))

@@ -106,8 +106,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg, opts)
         self.rotary = RotaryEmbedding(cfg)
-        self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, False, opts.linear,
-                                            opts.tp)
+        self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, False,
+                                            opts.head_linear, opts.tp)
 
     def init_buffers(self, device: str | torch.device) -> None:
         self.rotary.init_buffers(device)

@@ -126,7 +126,10 @@ class DraftProposer(Proposer):
         # its own runner: its own KV pool (num_blocks), buffers and decode graphs
         self.runner = ModelRunner(model_dir, self.mcfg,
                                   replace(cfg, num_blocks=num_blocks, speculative="off",
-                                          tensor_parallel_size=1), model)
+                                          tensor_parallel_size=1,
+                                          # a draft checkpoint's own quantization, or int8
+                                          quantization="int8" if cfg.quantization == "int8"
+                                          else "none"), model)
         self.model = self.runner.model
         self.block_size = cfg.block_size
         self.kv_manager = KVCacheManager(BlockPool(num_blocks), cfg.block_size, None)

@@ -1,6 +1,9 @@
 // fp32 linear layer for x86 CPUs with AVX2 and FMA: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]),
-// and its weight-only int8 twin: W = Q * scale[N], Q int8, read 4x less memory (the same panels
-// of int8, widened to fp32 in registers; the scale and bias applied once at the end).
+// and its int8 twin: W[n][k] = Q[n][k] * scale[n][k / G], Q int8 (the same panels, 4x less
+// memory to read), with one scale per feature (G = K: weight-only int8) or per group of G
+// inputs (pre-quantized 4- and 8-bit checkpoints). Its weights are widened and scaled to fp32
+// in registers (few rows) or once per call into an L1 buffer (more rows): the same products and
+// sums either way.
 //
 // The weight is packed once into panels of 16 output features, k-major inside a panel:
 // packed[(p * K + k) * 16 + j] = W[p * 16 + j][k] (zero past N). A panel is streamed from memory
@@ -53,16 +56,33 @@ inline void load_row(const int8_t* panel, int64_t k, __m256& w0, __m256& w1) {
     w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
 }
 
-// rows x 16 outputs of one panel, prefetching its share of the next panel on the way. fp32
-// (scale null): the sums start from the bias. int8: sum(x * q) * scale + bias per feature.
-template <int Rows, typename W>
-inline void panel_rows(const float* __restrict x, int64_t K, const W* __restrict panel,
-                       const float* __restrict scale, const float* __restrict bias,
-                       float* __restrict y, int64_t ldy, int64_t cols, Prefetch pf) {
+// Rows x 16 outputs to y (the last panel of an N that is not a multiple of 16: `cols` of them).
+template <int Rows>
+inline void store_rows(__m256 (&acc)[Rows][2], float* __restrict y, int64_t ldy, int64_t cols) {
+    if (cols == kPanel) {
+#pragma GCC unroll 8
+        for (int m = 0; m < Rows; ++m) {
+            _mm256_storeu_ps(y + m * ldy, acc[m][0]);
+            _mm256_storeu_ps(y + m * ldy + 8, acc[m][1]);
+        }
+    } else {
+        const __m256i lo = tail_mask(cols < 8 ? cols : 8), hi = tail_mask(cols > 8 ? cols - 8 : 0);
+#pragma GCC unroll 8
+        for (int m = 0; m < Rows; ++m) {
+            _mm256_maskstore_ps(y + m * ldy, lo, acc[m][0]);
+            _mm256_maskstore_ps(y + m * ldy + 8, hi, acc[m][1]);
+        }
+    }
+}
+
+// rows x 16 outputs of one fp32 panel, prefetching its share of the next panel on the way.
+template <int Rows>
+inline void panel_rows(const float* __restrict x, int64_t K, const float* __restrict panel,
+                       const float* __restrict bias, float* __restrict y, int64_t ldy,
+                       int64_t cols, Prefetch pf) {
     __m256 acc[Rows][2];
-    const bool fold = bias && !scale;    // fp32: the bias is where the sums start
-    const __m256 b0 = fold ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-    const __m256 b1 = fold ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+    const __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();   // the sums start
+    const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();  // from the bias
 #pragma GCC unroll 8
     for (int m = 0; m < Rows; ++m) {
         acc[m][0] = b0;
@@ -86,72 +106,211 @@ inline void panel_rows(const float* __restrict x, int64_t K, const W* __restrict
             acc[m][1] = _mm256_fmadd_ps(xm, w1, acc[m][1]);
         }
     }
-    if (scale) {
-        const __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
-        const __m256 c0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-        const __m256 c1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
-#pragma GCC unroll 8
-        for (int m = 0; m < Rows; ++m) {
-            acc[m][0] = _mm256_fmadd_ps(acc[m][0], s0, c0);
-            acc[m][1] = _mm256_fmadd_ps(acc[m][1], s1, c1);
-        }
-    }
-    if (cols == kPanel) {
-#pragma GCC unroll 8
-        for (int m = 0; m < Rows; ++m) {
-            _mm256_storeu_ps(y + m * ldy, acc[m][0]);
-            _mm256_storeu_ps(y + m * ldy + 8, acc[m][1]);
-        }
-    } else {  // the last panel of an N that is not a multiple of 16
-        const __m256i lo = tail_mask(cols < 8 ? cols : 8), hi = tail_mask(cols > 8 ? cols - 8 : 0);
-#pragma GCC unroll 8
-        for (int m = 0; m < Rows; ++m) {
-            _mm256_maskstore_ps(y + m * ldy, lo, acc[m][0]);
-            _mm256_maskstore_ps(y + m * ldy + 8, hi, acc[m][1]);
-        }
-    }
+    store_rows<Rows>(acc, y, ldy, cols);
 }
 
-template <typename W>
-void rows_of_panel(int rows, const float* x, int64_t K, const W* panel, const float* scale,
-                   const float* bias, float* y, int64_t ldy, int64_t cols, Prefetch pf) {
+// int8 weights with scales, few rows (the register kernel): each k row of the panel is widened
+// and scaled in registers, w = q * scale[n][k / G], then fed to the FMAs. The L1-buffer kernel
+// below computes exactly these products and sums in the same order, so a row's result does not
+// depend on which kernel, or how many other rows, its call had.
+constexpr int kMaxScaledRows = 2;
+
+template <int Rows>
+inline void panel_rows_scaled(const float* __restrict x, int64_t K, const int8_t* __restrict panel,
+                              int64_t G, const float* __restrict scales,
+                              const float* __restrict bias, float* __restrict y, int64_t ldy,
+                              int64_t cols, Prefetch pf) {
+    __m256 acc[Rows][2];
+#pragma GCC unroll 8
+    for (int m = 0; m < Rows; ++m) {
+        acc[m][0] = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+        acc[m][1] = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+    }
+    int64_t countdown = 1;
+    for (int64_t k0 = 0; k0 < K; k0 += G) {
+        const int64_t k1 = k0 + G < K ? k0 + G : K;
+        const float* s = scales + (k0 / G) * kPanel;
+        const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
+        for (int64_t k = k0; k < k1; ++k) {
+            __m256 w0, w1;
+            load_row(panel, k, w0, w1);
+            w0 = _mm256_mul_ps(w0, s0);
+            w1 = _mm256_mul_ps(w1, s1);
+            if (--countdown == 0) {
+                countdown = pf.every;
+                if (pf.from < pf.to) {
+                    _mm_prefetch(pf.from, _MM_HINT_T1);
+                    pf.from += 64;
+                }
+            }
+#pragma GCC unroll 8
+            for (int m = 0; m < Rows; ++m) {
+                const __m256 xm = _mm256_broadcast_ss(x + m * K + k);
+                acc[m][0] = _mm256_fmadd_ps(xm, w0, acc[m][0]);
+                acc[m][1] = _mm256_fmadd_ps(xm, w1, acc[m][1]);
+            }
+        }
+    }
+    store_rows<Rows>(acc, y, ldy, cols);
+}
+
+void rows_of_panel(int rows, const float* x, int64_t K, const float* panel, const float* bias,
+                   float* y, int64_t ldy, int64_t cols, Prefetch pf) {
     switch (rows) {
-        case 1: panel_rows<1>(x, K, panel, scale, bias, y, ldy, cols, pf); break;
-        case 2: panel_rows<2>(x, K, panel, scale, bias, y, ldy, cols, pf); break;
-        case 3: panel_rows<3>(x, K, panel, scale, bias, y, ldy, cols, pf); break;
-        case 4: panel_rows<4>(x, K, panel, scale, bias, y, ldy, cols, pf); break;
-        case 5: panel_rows<5>(x, K, panel, scale, bias, y, ldy, cols, pf); break;
-        default: panel_rows<6>(x, K, panel, scale, bias, y, ldy, cols, pf); break;
+        case 1: panel_rows<1>(x, K, panel, bias, y, ldy, cols, pf); break;
+        case 2: panel_rows<2>(x, K, panel, bias, y, ldy, cols, pf); break;
+        case 3: panel_rows<3>(x, K, panel, bias, y, ldy, cols, pf); break;
+        case 4: panel_rows<4>(x, K, panel, bias, y, ldy, cols, pf); break;
+        case 5: panel_rows<5>(x, K, panel, bias, y, ldy, cols, pf); break;
+        default: panel_rows<6>(x, K, panel, bias, y, ldy, cols, pf); break;
     }
 }
 
-// y[M, N] = x[M, K] @ W^T (* scale) (+ bias) over packed panels of W (fp32 or int8).
-template <typename W>
-void linear(const float* x, int64_t M, int64_t K, const W* packed, int64_t N,
-            const float* scale, const float* bias, float* y, int threads) {
+// int8 weights with scales, many rows (the L1-buffer kernel): each chunk of a panel (at most
+// kChunk k rows of one group) is widened and scaled once into an L1 buffer of fp32 weights, then
+// every pass of up to 6 rows runs the fp32 micro-kernel over it, its sums carried in y from
+// chunk to chunk (a row's sum is still one sequential sum over k, from the bias).
+constexpr int64_t kChunk = 256;   // 16 x 256 floats: 16 KiB of L1
+
+template <int Rows>
+inline void chunk_rows(const float* __restrict x, int64_t K, int64_t kc,
+                       const float* __restrict w, const float* __restrict bias, bool first,
+                       float* __restrict y, int64_t ldy, int64_t cols) {
+    __m256 acc[Rows][2];
+    const __m256i lo = tail_mask(cols < 8 ? cols : 8), hi = tail_mask(cols > 8 ? cols - 8 : 0);
+#pragma GCC unroll 8
+    for (int m = 0; m < Rows; ++m) {
+        if (!first) {
+            acc[m][0] = _mm256_maskload_ps(y + m * ldy, lo);
+            acc[m][1] = _mm256_maskload_ps(y + m * ldy + 8, hi);
+        } else {
+            acc[m][0] = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+            acc[m][1] = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+        }
+    }
+    for (int64_t k = 0; k < kc; ++k) {
+        const __m256 w0 = _mm256_load_ps(w + k * kPanel), w1 = _mm256_load_ps(w + k * kPanel + 8);
+#pragma GCC unroll 8
+        for (int m = 0; m < Rows; ++m) {
+            const __m256 xm = _mm256_broadcast_ss(x + m * K + k);
+            acc[m][0] = _mm256_fmadd_ps(xm, w0, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(xm, w1, acc[m][1]);
+        }
+    }
+    store_rows<Rows>(acc, y, ldy, cols);
+}
+
+void linear_buffered(const float* x, int64_t M, int64_t K, const int8_t* packed, int64_t N,
+                         const float* scales, int64_t G, const float* bias, float* y,
+                         int threads) {
     const int64_t panels = (N + kPanel - 1) / kPanel;
-    const int64_t groups = (M + kMaxRows - 1) / kMaxRows;  // rows split evenly over the groups
+    const int64_t ngroups = (K + G - 1) / G;
+    const int64_t passes = (M + kMaxRows - 1) / kMaxRows;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && panels > 1)
+    for (int64_t p = 0; p < panels; ++p) {
+        alignas(32) float w[kChunk * kPanel];
+        const int8_t* panel = packed + p * K * kPanel;
+        const int64_t cols = N - p * kPanel < kPanel ? N - p * kPanel : kPanel;
+        const float* b = bias ? bias + p * kPanel : nullptr;
+        for (int64_t k0 = 0; k0 < K;) {
+            const int64_t g = k0 / G;
+            const int64_t group_end = (g + 1) * G < K ? (g + 1) * G : K;
+            const int64_t kc = group_end - k0 < kChunk ? group_end - k0 : kChunk;
+            const float* s = scales + (p * ngroups + g) * kPanel;
+            const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
+            const int8_t* q = panel + k0 * kPanel;
+            for (int64_t k = 0; k < kc; ++k) {
+                if ((k & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + (kc + k) * kPanel),
+                                               _MM_HINT_T0);
+                __m256 w0, w1;
+                load_row(q, k, w0, w1);
+                _mm256_store_ps(w + k * kPanel, _mm256_mul_ps(w0, s0));
+                _mm256_store_ps(w + k * kPanel + 8, _mm256_mul_ps(w1, s1));
+            }
+            int64_t m = 0;
+            for (int64_t pass = 0; pass < passes; ++pass) {
+                const int rows = static_cast<int>((M - m) / (passes - pass));
+                const float* xm = x + m * K + k0;
+                float* out = y + m * N + p * kPanel;
+                switch (rows) {
+                    case 1: chunk_rows<1>(xm, K, kc, w, b, k0 == 0, out, N, cols); break;
+                    case 2: chunk_rows<2>(xm, K, kc, w, b, k0 == 0, out, N, cols); break;
+                    case 3: chunk_rows<3>(xm, K, kc, w, b, k0 == 0, out, N, cols); break;
+                    case 4: chunk_rows<4>(xm, K, kc, w, b, k0 == 0, out, N, cols); break;
+                    case 5: chunk_rows<5>(xm, K, kc, w, b, k0 == 0, out, N, cols); break;
+                    default: chunk_rows<6>(xm, K, kc, w, b, k0 == 0, out, N, cols); break;
+                }
+                m += rows;
+            }
+            k0 += kc;
+        }
+    }
+}
+
+// Every panel of W (packed, K rows of 16 W elements each), its rows of x in groups of at most
+// MaxRows: run(rows, panel index, first row, Prefetch) computes one group's outputs.
+template <int MaxRows, typename W, typename Run>
+void over_panels(int64_t M, int64_t K, int64_t N, const W* packed, int threads, Run run) {
+    const int64_t panels = (N + kPanel - 1) / kPanel;
+    const int64_t groups = (M + MaxRows - 1) / MaxRows;   // rows split evenly over the groups
     const int64_t row_bytes = kPanel * static_cast<int64_t>(sizeof(W));   // one k row of a panel
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && panels > 1)
     for (int64_t p = 0; p < panels; ++p) {
-        const W* panel = packed + p * K * kPanel;
-        const char* next = p + 1 < panels ? reinterpret_cast<const char*>(panel + K * kPanel)
-                                          : nullptr;
+        const char* next = p + 1 < panels
+                               ? reinterpret_cast<const char*>(packed + (p + 1) * K * kPanel)
+                               : nullptr;
         const int64_t share = (K + groups - 1) / groups;  // k rows of `next` per pass
-        const float* ps = scale ? scale + p * kPanel : nullptr;
-        const float* pb = bias ? bias + p * kPanel : nullptr;
-        const int64_t cols = N - p * kPanel < kPanel ? N - p * kPanel : kPanel;
         int64_t m = 0;
         for (int64_t g = 0; g < groups; ++g) {
             const int rows = static_cast<int>((M - m) / (groups - g));
             const int64_t lo = g * share < K ? g * share : K;
             const int64_t hi = lo + share < K ? lo + share : K;
-            const Prefetch pf{next ? next + lo * row_bytes : nullptr,
-                              next ? next + hi * row_bytes : nullptr, groups};
-            rows_of_panel(rows, x + m * K, K, panel, ps, pb, y + m * N + p * kPanel, N, cols, pf);
+            run(rows, p, m, Prefetch{next ? next + lo * row_bytes : nullptr,
+                                     next ? next + hi * row_bytes : nullptr, groups});
             m += rows;
         }
     }
+}
+
+// y[M, N] = x[M, K] @ W^T (+ bias) over packed fp32 panels of W.
+void linear(const float* x, int64_t M, int64_t K, const float* packed, int64_t N,
+            const float* bias, float* y, int threads) {
+    over_panels<kMaxRows>(M, K, N, packed, threads, [&](int rows, int64_t p, int64_t m,
+                                                         Prefetch pf) {
+        const int64_t cols = N - p * kPanel < kPanel ? N - p * kPanel : kPanel;
+        rows_of_panel(rows, x + m * K, K, packed + p * K * kPanel,
+                      bias ? bias + p * kPanel : nullptr, y + m * N + p * kPanel, N, cols, pf);
+    });
+}
+
+// y = x @ (Q * scales)^T (+ bias) for up to kMaxScaledRows rows, scales packed
+// [panel][K / G][16] (per feature: G = K, [panel][1][16]).
+void linear_scaled(const float* x, int64_t M, int64_t K, const int8_t* packed, int64_t N,
+                   const float* scales, int64_t G, const float* bias, float* y, int threads) {
+    const int64_t ngroups = (K + G - 1) / G;
+    over_panels<kMaxScaledRows>(M, K, N, packed, threads, [&](int rows, int64_t p, int64_t m,
+                                                               Prefetch pf) {
+        const int64_t cols = N - p * kPanel < kPanel ? N - p * kPanel : kPanel;
+        const int8_t* panel = packed + p * K * kPanel;
+        const float* s = scales + p * ngroups * kPanel;
+        const float* b = bias ? bias + p * kPanel : nullptr;
+        float* out = y + m * N + p * kPanel;
+        if (rows == 1)
+            panel_rows_scaled<1>(x + m * K, K, panel, G, s, b, out, N, cols, pf);
+        else
+            panel_rows_scaled<2>(x + m * K, K, panel, G, s, b, out, N, cols, pf);
+    });
+}
+
+// int8 weights with scales, any rows: the register kernel up to kMaxScaledRows rows, beyond
+// that the L1 buffer (widening once per weight, not once per pass of rows; the default model's
+// projections, one thread: 6 rows 0.52 vs 1.18 ms, 32 rows 2.0 vs 4.6 ms).
+void linear_i8(const float* x, int64_t M, int64_t K, const int8_t* packed, int64_t N,
+               const float* scales, int64_t G, const float* bias, float* y, int threads) {
+    if (M > kMaxScaledRows)
+        linear_buffered(x, M, K, packed, N, scales, G, bias, y, threads);
+    else
+        linear_scaled(x, M, K, packed, N, scales, G, bias, y, threads);
 }
 
 template <typename W>
@@ -188,14 +347,15 @@ void pdserve_linear_pack_i8(const int8_t* w, int64_t N, int64_t K, int8_t* out, 
 // padded to a multiple of 16 floats.
 void pdserve_linear(const float* x, int64_t M, int64_t K, const float* packed, int64_t N,
                     const float* bias, float* y, int threads) {
-    linear(x, M, K, packed, N, static_cast<const float*>(nullptr), bias, y, threads);
+    linear(x, M, K, packed, N, bias, y, threads);
 }
 
-// y[M, N] = (x[M, K] @ Q^T) * scale (+ bias) with Q int8 panels; scale and bias (may be null)
-// padded to a multiple of 16 floats.
-void pdserve_linear_i8(const float* x, int64_t M, int64_t K, const int8_t* packed, int64_t N,
-                       const float* scale, const float* bias, float* y, int threads) {
-    linear(x, M, K, packed, N, scale, bias, y, threads);
+// y[M, N] = x[M, K] @ W^T (+ bias), W[n][k] = Q[n][k] * scales[n][k / G]: Q int8 panels, scales
+// packed [panel][ceil(K / G)][16] (zero past N; per feature, G = K: [panel][1][16]), bias (may
+// be null) padded to 16 floats.
+void pdserve_linear_i8_grouped(const float* x, int64_t M, int64_t K, const int8_t* packed,
+                               int64_t N, const float* scales, int64_t G, const float* bias,
+                               float* y, int threads) {
+    linear_i8(x, M, K, packed, N, scales, G, bias, y, threads);
 }
-
 }  // extern "C"
