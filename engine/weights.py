@@ -145,6 +145,9 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
             if target in tied:
                 continue
             st, fname = where.get(name, (None, "checkpoint"))
+            if (scheme is not None and target not in params and name.endswith(".bias")
+                    and tensor is None and not st.get_tensor(name).any()):
+                continue          # the zero bias some GPTQ writers store for every projection
             if target not in params:
                 raise ValueError(f"{fname}: unexpected tensor {name!r} for {cfg.family}"
                                  + (f" quantized as {scheme.format}" if scheme else ""))

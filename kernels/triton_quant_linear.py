@@ -84,9 +84,7 @@ def quant_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m and n:
         block_m = max(16, min(64, triton.next_power_of_2(m)))     # tl.dot needs >= 16
-        block_k = min(BLOCK_K, group) if group else BLOCK_K
-        while group % block_k:
-            block_k //= 2
+        block_k = min(BLOCK_K, group & -group) if group else BLOCK_K   # a power of two
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N))
         _quant_linear_kernel[grid](x2, q, scale, bias if bias is not None else scale, y, m, n, k,
                                    x2.stride(0), y.stride(0), k // group if group else 1,

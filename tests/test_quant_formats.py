@@ -86,6 +86,13 @@ def test_compressed_tensors_round_trips():
     q, _ = from_compressed_tensors(pack_int32(signed + 8, 4, 1), s, torch.tensor([24, 256]), 4,
                                    weight_zero_point=pack_int32((z + 8).t(), 4, 1).t().contiguous())
     assert torch.equal(q.long(), signed - z.repeat_interleave(128, 1))
+    # files written before the zero points were packed: int8 [N, groups], signed, as they are
+    q, _ = from_compressed_tensors(pack_int32(signed + 8, 4, 1), s, torch.tensor([24, 256]), 4,
+                                   weight_zero_point=z.to(torch.int8))
+    assert torch.equal(q.long(), signed - z.repeat_interleave(128, 1))
+    with pytest.raises(ValueError, match="weight_zero_point"):
+        from_compressed_tensors(pack_int32(signed + 8, 4, 1), s, torch.tensor([24, 256]), 4,
+                                weight_zero_point=z.to(torch.int32))
     w8 = torch.randint(-127, 128, (24, 256), generator=g, dtype=torch.int8)
     q, s1 = from_int_quantized(w8, torch.rand(24, 1))
     assert q.dtype == torch.int8 and s1.shape == (24, 1)

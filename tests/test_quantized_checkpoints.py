@@ -151,6 +151,23 @@ def test_quantization_flag_and_checkpoint_must_agree(tmp_path):
       "config_groups": {"g": {"weights": {"num_bits": 4, "strategy": "group",
                                           "group_size": 128, "actorder": "group"}}}},
      "actorder"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["re:.*"],
+      "config_groups": {"g": {"weights": {"num_bits": 4, "strategy": "group",
+                                          "group_size": 128}}}}, "only lm_head"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "kv_cache_scheme": {"num_bits": 8, "type": "float"},
+      "config_groups": {"g": {"weights": {"num_bits": 4, "strategy": "group",
+                                          "group_size": 128}}}}, "kv_cache_scheme"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "sparsity_config": {"format": "sparse-24-bitmask"},
+      "config_groups": {"g": {"weights": {"num_bits": 4, "strategy": "group",
+                                          "group_size": 128}}}}, "sparsity"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized",
+      "config_groups": {"g": {"weights": {"num_bits": 8, "strategy": "channel"},
+                              "output_activations": {"num_bits": 8}}}}, "output_activations"),
+    ({"quant_method": "gptq", "bits": 4, "dynamic": {"-:.*down": {}}}, "dynamic"),
+    ({"quant_method": "awq", "bits": 4, "modules_to_not_convert": ["visual"]},
+     "modules_to_not_convert"),
 ])
 def test_unservable_quantization_configs_are_refused_by_name(qc, match):
     with pytest.raises(ValueError, match=match):
@@ -207,3 +224,31 @@ def test_model_quantize_then_agreebench_on_the_default_model(model_dir, tmp_path
     errors = got["layer_relative_error"]
     assert len(errors) == 30 and all(0 < e < 1 for e in errors)
     assert "identical tokens" in proc.stdout
+
+
+def test_gptq_zero_biases_are_skipped_and_a_missing_g_idx_under_desc_act_refused(tmp_path):
+    """Some GPTQ writers store an all-zero bias for every projection of a bias-free model: it is
+    dropped; a real one is an error. desc_act without g_idx cannot be read: refused."""
+    quant, dense = write_quantized(tmp_path, "gptq")
+    ref, _, _ = _run(dense)
+    path = quant / "model.safetensors"
+    state = load_file(str(path))
+    for name in list(state):
+        if name.endswith(".qweight"):
+            state[name.replace(".qweight", ".bias")] = torch.zeros(state[name].shape[1])
+    save_file(state, str(path))
+    logits, _, _ = _run(quant)
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+    state["model.layers.0.mlp.up_proj.bias"] = torch.ones(256)
+    save_file(state, str(path))
+    with pytest.raises(ValueError, match="unexpected tensor"):
+        _engine(quant)
+    del state["model.layers.0.mlp.up_proj.bias"]
+    for name in [n for n in state if n.endswith(".g_idx")]:
+        del state[name]
+    save_file(state, str(path))
+    cfg = json.loads((quant / "config.json").read_text())
+    cfg["quantization_config"]["desc_act"] = True
+    (quant / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="no g_idx"):
+        _engine(quant)

@@ -396,7 +396,8 @@ def test_int8_linear_matches_dequantize_then_matmul(dtype, m, n, k, with_bias):
 @pytest.mark.parametrize("m,n,k,group,with_bias", [(1, 70, 256, 128, False),
                                                    (5, 64, 128, 32, True),
                                                    (17, 33, 96, 16, True),
-                                                   (3, 40, 64, 64, False)])
+                                                   (3, 40, 64, 64, False),
+                                                   (2, 24, 96, 48, True)])
 def test_grouped_linear_matches_dequantize_then_matmul(dtype, m, n, k, group, with_bias):
     """Group scales [N, K / G] (pre-quantized 4-bit checkpoints: values in [-15, 15])."""
     from engine.layers.quant_formats import grouped_reference

@@ -23,7 +23,6 @@ with); `canonical_tensors` turns a checkpoint's tensors into the names the layer
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
@@ -103,7 +102,15 @@ def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Ten
     group = -(-k // groups)
     _check_groups(g_idx, k, group)
     if weight_zero_point is not None:
-        z = unpack_int32(weight_zero_point, bits, 0)[:n] - offset    # [N, G]
+        zp = weight_zero_point
+        if zp.dtype == torch.int32 and tuple(zp.shape) == (-(-n * bits // 32), groups):
+            z = unpack_int32(zp, bits, 0)[:n] - offset               # packed along N
+        elif zp.dtype == torch.int8 and tuple(zp.shape) == (n, groups):
+            z = zp.to(torch.int64)                                   # older files: as is
+        else:
+            raise ValueError(f"weight_zero_point {zp.dtype} {tuple(zp.shape)} is neither "
+                             f"packed int32 [{-(-n * bits // 32)}, {groups}] nor int8 "
+                             f"[{n}, {groups}]")
         q = q - z.repeat_interleave(group, dim=1)[:, :k]
     return _signed(q, bits), weight_scale.contiguous()
 
@@ -111,7 +118,9 @@ def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Ten
 def from_int_quantized(weight: torch.Tensor, weight_scale: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """compressed-tensors int-quantized (W8A8, per channel) -> (q [N, K] int8, scale [N, 1])."""
-    return weight.to(torch.int8), weight_scale.reshape(weight.shape[0], -1).contiguous()
+    if weight.dtype != torch.int8:
+        raise ValueError(f"int-quantized weights are int8, this one is {weight.dtype}")
+    return weight, weight_scale.reshape(weight.shape[0], -1).contiguous()
 
 
 def grouped_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
@@ -141,6 +150,8 @@ class QuantScheme:
     act_bits: int = 16
     version: int = 1            # GPTQ: 1 stores zeros minus 1, 2 as they are
     packed: bool = True         # compressed-tensors: pack-quantized (False: int-quantized)
+    zero_points: bool = True    # compressed-tensors: asymmetric (zero points stored)
+    act_order: bool = False     # GPTQ desc_act: a g_idx must be present (and trivial)
 
     @property
     def name(self) -> str:
@@ -179,8 +190,12 @@ class QuantScheme:
         fmt = qc.get("checkpoint_format", "gptq")
         if fmt not in ("gptq", "gptq_v2") or qc.get("is_marlin_format"):
             raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
+        if qc.get("dynamic"):
+            raise ValueError("GPTQ with per-module overrides (dynamic) is not supported")
+        if str(qc.get("pack_dtype", "int32")).removeprefix("torch.") != "int32":
+            raise ValueError(f"GPTQ pack_dtype {qc.get('pack_dtype')!r} is not supported (int32)")
         return cls("gptq", bits, _group(qc.get("group_size", 128)),
-                   version=2 if fmt == "gptq_v2" else 1)
+                   version=2 if fmt == "gptq_v2" else 1, act_order=bool(qc.get("desc_act")))
 
     @classmethod
     def _awq(cls, qc: dict) -> "QuantScheme":
@@ -190,6 +205,9 @@ class QuantScheme:
             raise ValueError(f"AWQ {bits}-bit {version!r} is not supported (4-bit GEMM)")
         if not qc.get("zero_point", True):
             raise ValueError("AWQ without zero points is not supported")
+        if qc.get("modules_to_not_convert"):
+            raise ValueError(f"AWQ modules_to_not_convert {qc['modules_to_not_convert']} is not "
+                             "supported (every projection quantized)")
         return cls("awq", 4, _group(qc.get("group_size", qc.get("q_group_size", 128))))
 
     @classmethod
@@ -212,6 +230,16 @@ class QuantScheme:
                              f"{w.get('actorder')!r}) is not supported (group, channel)")
         group = _group(w.get("group_size")) if strategy == "group" else 0
         _check_ignore(qc.get("ignore") or [])
+        for key in ("output_activations",):
+            if g.get(key) is not None:
+                raise ValueError(f"compressed-tensors {key} is not supported")
+        if qc.get("kv_cache_scheme") is not None:
+            raise ValueError("compressed-tensors kv_cache_scheme (a quantized KV cache) is not "
+                             "supported")
+        sparsity = qc.get("sparsity_config") or {}
+        if sparsity.get("format", "dense") != "dense":
+            raise ValueError(f"compressed-tensors sparsity {sparsity.get('format')!r} is not "
+                             "supported")
         if fmt == "int-quantized":
             if bits != 8 or not w.get("symmetric", True):
                 raise ValueError("compressed-tensors int-quantized: only symmetric 8-bit "
@@ -228,18 +256,22 @@ class QuantScheme:
         if bits not in (4, 8):
             raise ValueError(f"compressed-tensors pack-quantized with {bits} bits is not "
                              "supported (4, 8)")
-        return cls("compressed-tensors", bits, group)
+        return cls("compressed-tensors", bits, group, zero_points=not w.get("symmetric", True))
 
     def convert(self, read: Callable[[str], torch.Tensor | None]
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """One projection's tensors (read(suffix): the tensor, None if absent) -> (q int8
         [N, K], scale float32 [N, groups])."""
         if self.format == "gptq":
+            if self.act_order and read("g_idx") is None:
+                raise ValueError("desc_act is set but the checkpoint has no g_idx")
             q, s = from_gptq(read("qweight"), read("qzeros"), read("scales"), self.bits,
                              self.group or -1, read("g_idx"), self.version)
         elif self.format == "awq":
             q, s = from_awq(read("qweight"), read("qzeros"), read("scales"), self.group or -1)
         elif self.packed:
+            if self.zero_points and read("weight_zero_point") is None:
+                raise ValueError("asymmetric weights without weight_zero_point")
             q, s = from_compressed_tensors(read("weight_packed"), read("weight_scale"),
                                            read("weight_shape"), self.bits,
                                            read("weight_zero_point"), read("weight_g_idx"))
@@ -263,8 +295,11 @@ def _group(size) -> int:
 def _check_ignore(ignore: list[str]) -> None:
     """Layers a compressed-tensors checkpoint left unquantized: lm_head only."""
     for entry in ignore:
-        pattern = entry[3:] if entry.startswith("re:") else re.escape(entry)
-        if not re.fullmatch(pattern, "lm_head") and not entry.endswith("lm_head"):
+        if entry.startswith("re:"):
+            ok = entry[3:].removeprefix("^").removeprefix(".*").removesuffix("$") == "lm_head"
+        else:
+            ok = entry == "lm_head" or entry.endswith(".lm_head")
+        if not ok:
             raise ValueError(f"compressed-tensors ignore lists {entry!r}: only lm_head may be "
                              "left unquantized")
 

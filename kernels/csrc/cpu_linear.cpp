@@ -206,6 +206,7 @@ void linear_buffered(const float* x, int64_t M, int64_t K, const int8_t* packed,
     const int64_t panels = (N + kPanel - 1) / kPanel;
     const int64_t ngroups = (K + G - 1) / G;
     const int64_t passes = (M + kMaxRows - 1) / kMaxRows;
+    const int8_t* end = packed + panels * K * kPanel;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && panels > 1)
     for (int64_t p = 0; p < panels; ++p) {
         alignas(32) float w[kChunk * kPanel];
@@ -220,8 +221,9 @@ void linear_buffered(const float* x, int64_t M, int64_t K, const int8_t* packed,
             const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
             const int8_t* q = panel + k0 * kPanel;
             for (int64_t k = 0; k < kc; ++k) {
-                if ((k & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(q + (kc + k) * kPanel),
-                                               _MM_HINT_T0);
+                const int8_t* ahead = q + (kc + k) * kPanel;     // the next chunk's rows
+                if ((k & 3) == 0 && ahead < end)
+                    _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
                 __m256 w0, w1;
                 load_row(q, k, w0, w1);
                 _mm256_store_ps(w + k * kPanel, _mm256_mul_ps(w0, s0));
