@@ -175,7 +175,8 @@ def test_int8_kernel_matches_dequantize_then_matmul(m, n, k, with_bias):
 
 @needs_kernel
 @pytest.mark.parametrize("m,n,k,group", [(1, 16, 128, 128), (2, 40, 256, 128), (3, 48, 64, 32),
-                                         (7, 33, 384, 128), (1, 576, 1536, 128), (4, 1, 32, 16)])
+                                         (7, 33, 384, 128), (1, 576, 1536, 128), (4, 1, 32, 16),
+                                         (9, 20, 1024, 512)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_grouped_int8_kernel_matches_dequantize_then_matmul(m, n, k, group, with_bias):
     """Group scales (pre-quantized 4-bit checkpoints: values in [-15, 15]), rows 1 to 7 (the

@@ -110,12 +110,28 @@ inline void panel_rows(const float* __restrict x, int64_t K, const float* __rest
 }
 
 // int8 weights with scales, few rows (the register kernel): each k row of the panel is widened
-// and scaled in registers, w = q * scale[n][k / G], then fed to the FMAs. The L1-buffer kernel
-// below computes exactly these products and sums in the same order, so a row's result does not
-// depend on which kernel, or how many other rows, its call had.
+// in registers and fed to the FMAs; each group's sums of x * q are folded in with its scales,
+// acc = part * s + acc (from the bias), or with one scale per feature (Late: G = K) scaled once
+// at the end, sum * s + bias.
+// The L1-buffer kernel below computes exactly these products and sums in the same order, so a
+// row's result does not depend on which kernel, or how many other rows, its call had.
 constexpr int kMaxScaledRows = 2;
 
+// The last step of a Late sum: acc * scale + bias (bias may be null).
 template <int Rows>
+inline void scale_late(__m256 (&acc)[Rows][2], const float* __restrict s,
+                       const float* __restrict bias) {
+    const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
+    const __m256 c0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+    const __m256 c1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int m = 0; m < Rows; ++m) {
+        acc[m][0] = _mm256_fmadd_ps(acc[m][0], s0, c0);
+        acc[m][1] = _mm256_fmadd_ps(acc[m][1], s1, c1);
+    }
+}
+
+template <int Rows, bool Late>
 inline void panel_rows_scaled(const float* __restrict x, int64_t K, const int8_t* __restrict panel,
                               int64_t G, const float* __restrict scales,
                               const float* __restrict bias, float* __restrict y, int64_t ldy,
@@ -123,19 +139,21 @@ inline void panel_rows_scaled(const float* __restrict x, int64_t K, const int8_t
     __m256 acc[Rows][2];
 #pragma GCC unroll 8
     for (int m = 0; m < Rows; ++m) {
-        acc[m][0] = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-        acc[m][1] = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+        acc[m][0] = bias && !Late ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+        acc[m][1] = bias && !Late ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
     }
     int64_t countdown = 1;
     for (int64_t k0 = 0; k0 < K; k0 += G) {
         const int64_t k1 = k0 + G < K ? k0 + G : K;
-        const float* s = scales + (k0 / G) * kPanel;
-        const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
+        __m256 part[Rows][2];             // this group's sums (Late: the whole K's, in acc)
+#pragma GCC unroll 8
+        for (int m = 0; m < Rows; ++m) {
+            part[m][0] = Late ? acc[m][0] : _mm256_setzero_ps();
+            part[m][1] = Late ? acc[m][1] : _mm256_setzero_ps();
+        }
         for (int64_t k = k0; k < k1; ++k) {
             __m256 w0, w1;
             load_row(panel, k, w0, w1);
-            w0 = _mm256_mul_ps(w0, s0);
-            w1 = _mm256_mul_ps(w1, s1);
             if (--countdown == 0) {
                 countdown = pf.every;
                 if (pf.from < pf.to) {
@@ -146,11 +164,19 @@ inline void panel_rows_scaled(const float* __restrict x, int64_t K, const int8_t
 #pragma GCC unroll 8
             for (int m = 0; m < Rows; ++m) {
                 const __m256 xm = _mm256_broadcast_ss(x + m * K + k);
-                acc[m][0] = _mm256_fmadd_ps(xm, w0, acc[m][0]);
-                acc[m][1] = _mm256_fmadd_ps(xm, w1, acc[m][1]);
+                part[m][0] = _mm256_fmadd_ps(xm, w0, part[m][0]);
+                part[m][1] = _mm256_fmadd_ps(xm, w1, part[m][1]);
             }
         }
+        const float* s = scales + (k0 / G) * kPanel;
+        const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
+#pragma GCC unroll 8
+        for (int m = 0; m < Rows; ++m) {
+            acc[m][0] = Late ? part[m][0] : _mm256_fmadd_ps(part[m][0], s0, acc[m][0]);
+            acc[m][1] = Late ? part[m][1] : _mm256_fmadd_ps(part[m][1], s1, acc[m][1]);
+        }
     }
+    if (Late) scale_late<Rows>(acc, scales, bias);
     store_rows<Rows>(acc, y, ldy, cols);
 }
 
@@ -169,23 +195,28 @@ void rows_of_panel(int rows, const float* x, int64_t K, const float* panel, cons
 // int8 weights with scales, many rows (the L1-buffer kernel): each chunk of a panel (at most
 // kChunk k rows of one group) is widened and scaled once into an L1 buffer of fp32 weights, then
 // every pass of up to 6 rows runs the fp32 micro-kernel over it, its sums carried in y from
-// chunk to chunk (a row's sum is still one sequential sum over k, from the bias).
+// chunk to chunk (a row's sum is still one sequential sum over k, from the bias; with one scale
+// per feature, the buffer holds the widened q and the last chunk scales the sums).
 constexpr int64_t kChunk = 256;   // 16 x 256 floats: 16 KiB of L1
 
-template <int Rows>
+// One chunk's rows: Late (one scale per feature), the sums carried in y from chunk to chunk
+// and scaled by `late` (with `bias`) after the last; otherwise a chunk is one group, its sums
+// from zero folded into y (the bias first) with the group's scales `s`.
+template <int Rows, bool Late>
 inline void chunk_rows(const float* __restrict x, int64_t K, int64_t kc,
                        const float* __restrict w, const float* __restrict bias, bool first,
+                       const float* __restrict s, const float* __restrict late,
                        float* __restrict y, int64_t ldy, int64_t cols) {
     __m256 acc[Rows][2];
     const __m256i lo = tail_mask(cols < 8 ? cols : 8), hi = tail_mask(cols > 8 ? cols - 8 : 0);
 #pragma GCC unroll 8
     for (int m = 0; m < Rows; ++m) {
-        if (!first) {
+        if (Late && !first) {
             acc[m][0] = _mm256_maskload_ps(y + m * ldy, lo);
             acc[m][1] = _mm256_maskload_ps(y + m * ldy + 8, hi);
         } else {
-            acc[m][0] = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-            acc[m][1] = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+            acc[m][0] = _mm256_setzero_ps();
+            acc[m][1] = _mm256_setzero_ps();
         }
     }
     for (int64_t k = 0; k < kc; ++k) {
@@ -197,7 +228,35 @@ inline void chunk_rows(const float* __restrict x, int64_t K, int64_t kc,
             acc[m][1] = _mm256_fmadd_ps(xm, w1, acc[m][1]);
         }
     }
+    if (Late) {
+        if (late) scale_late<Rows>(acc, late, bias);
+    } else {
+        const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
+#pragma GCC unroll 8
+        for (int m = 0; m < Rows; ++m) {
+            const __m256 p0 = first ? (bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps())
+                                    : _mm256_maskload_ps(y + m * ldy, lo);
+            const __m256 p1 = first ? (bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps())
+                                    : _mm256_maskload_ps(y + m * ldy + 8, hi);
+            acc[m][0] = _mm256_fmadd_ps(acc[m][0], s0, p0);
+            acc[m][1] = _mm256_fmadd_ps(acc[m][1], s1, p1);
+        }
+    }
     store_rows<Rows>(acc, y, ldy, cols);
+}
+
+template <bool Late>
+void chunk_pass(int rows, const float* x, int64_t K, int64_t kc, const float* w, const float* b,
+                bool first, const float* s, const float* fin, float* y, int64_t ldy,
+                int64_t cols) {
+    switch (rows) {
+        case 1: chunk_rows<1, Late>(x, K, kc, w, b, first, s, fin, y, ldy, cols); break;
+        case 2: chunk_rows<2, Late>(x, K, kc, w, b, first, s, fin, y, ldy, cols); break;
+        case 3: chunk_rows<3, Late>(x, K, kc, w, b, first, s, fin, y, ldy, cols); break;
+        case 4: chunk_rows<4, Late>(x, K, kc, w, b, first, s, fin, y, ldy, cols); break;
+        case 5: chunk_rows<5, Late>(x, K, kc, w, b, first, s, fin, y, ldy, cols); break;
+        default: chunk_rows<6, Late>(x, K, kc, w, b, first, s, fin, y, ldy, cols); break;
+    }
 }
 
 void linear_buffered(const float* x, int64_t M, int64_t K, const int8_t* packed, int64_t N,
@@ -207,6 +266,7 @@ void linear_buffered(const float* x, int64_t M, int64_t K, const int8_t* packed,
     const int64_t ngroups = (K + G - 1) / G;
     const int64_t passes = (M + kMaxRows - 1) / kMaxRows;
     const int8_t* end = packed + panels * K * kPanel;
+    const bool late = G >= K;                 // one scale per feature: applied at the end
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && panels > 1)
     for (int64_t p = 0; p < panels; ++p) {
         alignas(32) float w[kChunk * kPanel];
@@ -218,7 +278,6 @@ void linear_buffered(const float* x, int64_t M, int64_t K, const int8_t* packed,
             const int64_t group_end = (g + 1) * G < K ? (g + 1) * G : K;
             const int64_t kc = group_end - k0 < kChunk ? group_end - k0 : kChunk;
             const float* s = scales + (p * ngroups + g) * kPanel;
-            const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
             const int8_t* q = panel + k0 * kPanel;
             for (int64_t k = 0; k < kc; ++k) {
                 const int8_t* ahead = q + (kc + k) * kPanel;     // the next chunk's rows
@@ -226,22 +285,20 @@ void linear_buffered(const float* x, int64_t M, int64_t K, const int8_t* packed,
                     _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
                 __m256 w0, w1;
                 load_row(q, k, w0, w1);
-                _mm256_store_ps(w + k * kPanel, _mm256_mul_ps(w0, s0));
-                _mm256_store_ps(w + k * kPanel + 8, _mm256_mul_ps(w1, s1));
+                _mm256_store_ps(w + k * kPanel, w0);
+                _mm256_store_ps(w + k * kPanel + 8, w1);
             }
+            const float* fin = late && k0 + kc >= K ? s : nullptr;     // the last chunk's
+            const bool first = k0 == 0;
             int64_t m = 0;
             for (int64_t pass = 0; pass < passes; ++pass) {
                 const int rows = static_cast<int>((M - m) / (passes - pass));
                 const float* xm = x + m * K + k0;
                 float* out = y + m * N + p * kPanel;
-                switch (rows) {
-                    case 1: chunk_rows<1>(xm, K, kc, w, b, k0 == 0, out, N, cols); break;
-                    case 2: chunk_rows<2>(xm, K, kc, w, b, k0 == 0, out, N, cols); break;
-                    case 3: chunk_rows<3>(xm, K, kc, w, b, k0 == 0, out, N, cols); break;
-                    case 4: chunk_rows<4>(xm, K, kc, w, b, k0 == 0, out, N, cols); break;
-                    case 5: chunk_rows<5>(xm, K, kc, w, b, k0 == 0, out, N, cols); break;
-                    default: chunk_rows<6>(xm, K, kc, w, b, k0 == 0, out, N, cols); break;
-                }
+                if (late)
+                    chunk_pass<true>(rows, xm, K, kc, w, b, first, s, fin, out, N, cols);
+                else
+                    chunk_pass<false>(rows, xm, K, kc, w, b, first, s, fin, out, N, cols);
                 m += rows;
             }
             k0 += kc;
@@ -297,10 +354,15 @@ void linear_scaled(const float* x, int64_t M, int64_t K, const int8_t* packed, i
         const float* s = scales + p * ngroups * kPanel;
         const float* b = bias ? bias + p * kPanel : nullptr;
         float* out = y + m * N + p * kPanel;
-        if (rows == 1)
-            panel_rows_scaled<1>(x + m * K, K, panel, G, s, b, out, N, cols, pf);
+        const bool late = G >= K;
+        if (rows == 1 && late)
+            panel_rows_scaled<1, true>(x + m * K, K, panel, G, s, b, out, N, cols, pf);
+        else if (rows == 1)
+            panel_rows_scaled<1, false>(x + m * K, K, panel, G, s, b, out, N, cols, pf);
+        else if (late)
+            panel_rows_scaled<2, true>(x + m * K, K, panel, G, s, b, out, N, cols, pf);
         else
-            panel_rows_scaled<2>(x + m * K, K, panel, G, s, b, out, N, cols, pf);
+            panel_rows_scaled<2, false>(x + m * K, K, panel, G, s, b, out, N, cols, pf);
     });
 }
 
@@ -309,7 +371,7 @@ void linear_scaled(const float* x, int64_t M, int64_t K, const int8_t* packed, i
 // projections, one thread: 6 rows 0.52 vs 1.18 ms, 32 rows 2.0 vs 4.6 ms).
 void linear_i8(const float* x, int64_t M, int64_t K, const int8_t* packed, int64_t N,
                const float* scales, int64_t G, const float* bias, float* y, int threads) {
-    if (M > kMaxScaledRows)
+    if (M > kMaxScaledRows && (G >= K || G <= kChunk))   // a chunk holds a whole group
         linear_buffered(x, M, K, packed, N, scales, G, bias, y, threads);
     else
         linear_scaled(x, M, K, packed, N, scales, G, bias, y, threads);
