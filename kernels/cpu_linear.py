@@ -2,10 +2,11 @@
 and weight-only int8 ones (`quantize_int8`, `pack_int8`, `linear_int8`): the same panels of
 int8, a quarter of the memory to stream; and int8 panels with group scales (`pack_group_scales`,
 `linear_int8_grouped`: pre-quantized 4- and 8-bit checkpoints, W[n, k] = q[n, k] * scale[n,
-k // G]). Either way each weight is widened and scaled to fp32, in registers for one or two rows
-(where decode is memory-bound), or once per call into an L1 buffer that every pass of up to 6
-rows reads (widening in each pass cost twice the time at 6 rows); both compute the same products
-and sums, so an int8 row, too, does not depend on its batch.
+k // G]). Either way each weight is widened to fp32, in registers for one or two rows (where
+decode is memory-bound), or once per call into an L1 buffer that every pass of up to 6 rows
+reads (widening in each pass cost twice the time at 6 rows); each group's sums of x * q are
+scaled once (per feature: once at the end). Both compute the same products and sums, so an int8
+row, too, does not depend on its batch.
 
 The kernel (csrc/cpu_linear.cpp) streams each 16-feature panel of the weight from memory once
 per call (prefetching the next one into L2 while it computes) and reuses it from cache for every

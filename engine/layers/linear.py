@@ -151,15 +151,17 @@ class IntegerWeights(LinearMethod):
         if self.act_bits == 16:
             return self._matmul(layer, x, bias)
         xq, xs = quantize_per_token(x)
-        y = (self._matmul(layer, xq, None).float() * xs).to(x.dtype)
-        return y if layer.bias is None else y + layer.bias.to(y.dtype)
+        y = self._matmul(layer, xq, None)
+        y = y.mul_(xs) if y.dtype == torch.float32 else (y.float() * xs).to(x.dtype)
+        return y if layer.bias is None else y.add_(layer.bias.to(y.dtype))
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic symmetric int8 per row: x ~= xq * scale, xq integers in [-127, 127] held in x's
     dtype (exact in fp32, fp16 and bf16), scale [..., 1] float32."""
-    scale = (x.float().abs().amax(dim=-1, keepdim=True) / 127.0).clamp_min(1e-12)
-    return torch.round(x.float() / scale).clamp_(-127, 127).to(x.dtype), scale
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True).div_(127.0).clamp_min_(1e-12)
+    return torch.div(xf, scale).round_().clamp_(-127, 127).to(x.dtype), scale
 
 
 class Int8Method(IntegerWeights):

@@ -1,9 +1,9 @@
 // fp32 linear layer for x86 CPUs with AVX2 and FMA: y[M, N] = x[M, K] @ W[N, K]^T (+ bias[N]),
 // and its int8 twin: W[n][k] = Q[n][k] * scale[n][k / G], Q int8 (the same panels, 4x less
 // memory to read), with one scale per feature (G = K: weight-only int8) or per group of G
-// inputs (pre-quantized 4- and 8-bit checkpoints). Its weights are widened and scaled to fp32
-// in registers (few rows) or once per call into an L1 buffer (more rows): the same products and
-// sums either way.
+// inputs (pre-quantized 4- and 8-bit checkpoints). Its weights are widened to fp32 in registers
+// (few rows) or once per call into an L1 buffer (more rows), and each group's sums are scaled
+// once: the same products and sums either way.
 //
 // The weight is packed once into panels of 16 output features, k-major inside a panel:
 // packed[(p * K + k) * 16 + j] = W[p * 16 + j][k] (zero past N). A panel is streamed from memory
