@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from kernels import cpu_build
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # --quantization: none (a pre-quantized checkpoint's own scheme, else full precision), int8
@@ -20,14 +22,7 @@ _NATIVE_CPU_FLAGS = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx51
 
 
 def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return cpu_build.cpu_flags() or set()
 
 
 def resolve_compute_dtype(dtype: str, compute_dtype: str, device: str) -> str:
@@ -141,6 +136,13 @@ class ModelConfig:
         return cls.from_hf(hf, gen)
 
 
+# CPU paths a worker can be forced onto (auto: what measured fastest on the host's kind):
+# the linear layers' (engine.layers.linear.linear_method_for) and the torch attention backend's
+# for decodes and short queries (engine.attention.torch_backend.use_cpu_kernel).
+LINEAR_METHODS = ("auto", "avx2", "onednn", "torch")
+CPU_ATTENTION = ("auto", "avx2", "sdpa")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How one engine runs. `num_blocks` 0: on CUDA, sized from gpu_memory_utilization when the
@@ -164,6 +166,8 @@ class EngineConfig:
     spec_ngram_max: int = 4
     spec_disable_batch_size: int = 0     # > 0: no speculation while more sequences decode
     attention_backend: str = "auto"      # "torch", "triton"; auto: triton on CUDA, else torch
+    cpu_attention: str = "auto"          # CPU_ATTENTION: the torch backend's CPU path
+    linear_method: str = "auto"          # LINEAR_METHODS: force a CPU linear path
     enforce_eager: bool = False          # no CUDA graphs for decode-only steps
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory this engine may use
     max_request_kv_share: float = 1.0    # most of the KV pool one request (all choices) may need
@@ -198,6 +202,12 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("attention_backend must be 'auto', 'torch' or 'triton', got "
                              f"{self.attention_backend!r}")
+        if self.cpu_attention not in CPU_ATTENTION:
+            raise ValueError(f"cpu_attention must be one of {', '.join(CPU_ATTENTION)}, got "
+                             f"{self.cpu_attention!r}")
+        if self.linear_method not in LINEAR_METHODS:
+            raise ValueError(f"linear_method must be one of {', '.join(LINEAR_METHODS)}, got "
+                             f"{self.linear_method!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
@@ -247,4 +257,4 @@ def blocks_for_gib(model: ModelConfig, engine: EngineConfig, gib: float) -> int:
     return n
 
 
-__all__ = ["DTYPES", "resolve_compute_dtype", "parse_speculative", "ModelConfig", "EngineConfig", "kv_bytes_per_block", "blocks_for_gib"]
+__all__ = ["DTYPES", "LINEAR_METHODS", "CPU_ATTENTION", "resolve_compute_dtype", "parse_speculative", "ModelConfig", "EngineConfig", "kv_bytes_per_block", "blocks_for_gib"]

@@ -79,11 +79,13 @@ class ModelRunner:
         self.max_blocks = -(-cfg.max_model_len // cfg.block_size)
         self.sizes = BufferSizes(cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_blocks)
         self.backend = create_backend(cfg.attention_backend, m, cfg.block_size, self.dtype,
-                                      self.device, self.sizes)
+                                      self.device, self.sizes, cfg.cpu_attention)
         quant = quant_formats.resolve(cfg.quantization, None if random_weights else model_dir)
         self.quant_scheme = quant if isinstance(quant, QuantScheme) else None
-        opts = LayerOptions(self.backend, linear_method_for(self.device, self.dtype, quant), tp,
-                            head=linear_method_for(self.device, self.dtype)
+        method = cfg.linear_method
+        opts = LayerOptions(self.backend,
+                            linear_method_for(self.device, self.dtype, quant, method), tp,
+                            head=linear_method_for(self.device, self.dtype, "none", method)
                             if self.quant_scheme else None)
         self.local_cfg, m_full = m, model_cfg
         if model is not None:

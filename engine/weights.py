@@ -78,9 +78,13 @@ def build_empty(cfg: ModelConfig, opts: LayerOptions, dtype: torch.dtype,
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's parameters and buffers (packed and quantized weights too), each
     storage counted once (tied weights)."""
-    seen: dict[int, int] = {}
+    seen: dict[object, int] = {}
     for t in list(model.parameters()) + list(model.buffers()):
-        if t.device.type != "meta":
+        if t.device.type == "meta":
+            continue
+        if t.is_mkldnn:              # oneDNN's packed layout: opaque, no storage to read
+            seen[("opaque", id(t))] = t.nbytes
+        else:
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(seen.values())
 

@@ -5,8 +5,9 @@ every K/V row (csrc/cpu_attention.cpp, compiled on first use by kernels.cpu_buil
 The contract is kernels/triton_attention.py's (sequence i: q_lens[i] queries at rows
 q_start[i].., seq_lens[i] tokens of context including them, causal), without tiles or splits;
 its torch reference is triton_attention.paged_attention_ref. `available()` is false where it
-cannot run (not an AVX2 x86 CPU, no compiler, a failed build); the torch attention backend then
-keeps its gather + SDPA path.
+cannot run (an x86 CPU without AVX2 and FMA, or not x86, no compiler, a failed build); the torch
+attention backend then keeps its gather + SDPA path. It runs on AVX-512 hosts too; whether the
+backend uses it by default is engine.attention.torch_backend's choice (`--cpu-attention`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
 
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    if not cpu_build.avx2_host():
+    if not cpu_build.avx2_capable():
         return None
     try:
         lib = ctypes.CDLL(str(cpu_build.build(SOURCE, cpu_build.AVX2_FLAGS)))
@@ -45,6 +46,12 @@ def _library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return _library() is not None
+
+
+def max_block() -> int:
+    """The longest block (tokens) the kernel takes; 0 where it cannot run."""
+    lib = _library()
+    return lib.pdserve_attention_max_block() if lib is not None else 0
 
 
 def supports(head_dim: int, block_size: int, dtype: torch.dtype) -> bool:

@@ -35,11 +35,37 @@ def cache_dir() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "pdserve" / "kernels"
 
 
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def cpu_flags() -> set[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo (None where there is no such file)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        return None
+    return set()
+
+
+def avx2_capable() -> bool:
+    """An x86-64 CPU that can run the AVX2 + FMA kernels: AVX2-only hosts and AVX-512 ones
+    alike (every AVX-512 CPU has AVX2 and FMA)."""
+    if not _x86():
+        return False
+    flags = cpu_flags()
+    if flags is not None:
+        return {"avx2", "fma"} <= flags
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
 def avx2_host() -> bool:
-    """An x86-64 CPU whose best vector ISA, as torch sees it, is AVX2 (where the kernels were
-    measured; on AVX-512 and AMX hosts oneDNN and torch's own kernels use the wider units)."""
-    return (platform.machine().lower() in ("x86_64", "amd64")
-            and torch.backends.cpu.get_cpu_capability() == "AVX2")
+    """An x86-64 CPU whose best vector ISA, as torch sees it, is AVX2: where the engine picks
+    the AVX2 kernels by default (on AVX-512 and AMX hosts they still run, when asked for)."""
+    return _x86() and avx2_capable() and torch.backends.cpu.get_cpu_capability() == "AVX2"
 
 
 def build(source: Path, flags: list[str], out_dir: Path | None = None) -> Path:

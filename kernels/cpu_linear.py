@@ -22,8 +22,10 @@ batch: a sequence's logits do not depend on which other sequences, or how many p
 share its step.
 
 The source is compiled on first use (kernels.cpu_build) and loaded with ctypes. It runs on torch's
-thread count (torch.set_num_threads). `available()` is false where it cannot run (not an AVX2
-x86 CPU, no compiler, a failed build) and the engine then keeps torch's linear. No autograd:
+thread count (torch.set_num_threads). `available()` is false where it cannot run (an x86 CPU
+without AVX2 and FMA, or not x86, no compiler, a failed build) and the engine then keeps torch's
+linear. It runs on AVX-512 hosts too, where the engine's default is chosen by measurement
+(engine.layers.linear.linear_method_for). No autograd:
 inference only. `reference` is the torch computation it must match.
 """
 
@@ -52,7 +54,14 @@ def reference(x: torch.Tensor, weight: torch.Tensor,
 
 
 def cpu_supported() -> bool:
-    """An x86-64 CPU whose best vector ISA is AVX2 (kernels.cpu_build.avx2_host)."""
+    """An x86-64 CPU that runs AVX2 + FMA code (kernels.cpu_build.avx2_capable): AVX2-only and
+    AVX-512 hosts alike. Whether the engine picks it is engine.layers.linear's choice."""
+    return cpu_build.avx2_capable()
+
+
+def preferred() -> bool:
+    """Whether the engine picks this kernel by default for float weights: where the host's best
+    vector ISA is AVX2 (kernels.cpu_build.avx2_host), as measured (README)."""
     return cpu_build.avx2_host()
 
 

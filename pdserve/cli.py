@@ -13,6 +13,9 @@ from pdserve.paths import default_model_dir
 
 # engine.config.QUANTIZATION_CHOICES (written out here: --help does not import torch)
 QUANTIZATION_CHOICES = ["none", "int8", "gptq", "awq", "compressed-tensors", "w4a16", "w8a8"]
+# engine.config.LINEAR_METHODS and CPU_ATTENTION, likewise
+LINEAR_METHODS = ["auto", "avx2", "onednn", "torch"]
+CPU_ATTENTION = ["auto", "avx2", "sdpa"]
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -67,6 +70,20 @@ def _add_deployment_security(p: argparse.ArgumentParser) -> None:
                    help="CA of a TLS Redis (rediss:// URLs); default: the system's CAs")
 
 
+def _add_cpu_paths(p: argparse.ArgumentParser) -> None:
+    """--linear-method and --cpu-attention: force a CPU path (workers, stepbench)."""
+    p.add_argument("--linear-method", default="auto", choices=LINEAR_METHODS,
+                   help="the linear layers' CPU path: avx2 (our kernel: any x86 CPU with AVX2 "
+                        "and FMA, AVX-512 ones too), onednn (torch's oneDNN packed linear; "
+                        "float weights only), torch (F.linear; integer weights dequantized); "
+                        "auto: what measured fastest on this kind of host (README: avx2 where "
+                        "the best ISA is AVX2, onednn on AVX-512 hosts)")
+    p.add_argument("--cpu-attention", default="auto", choices=CPU_ATTENTION,
+                   help="the torch attention backend's path for decodes and short queries on "
+                        "CPUs: avx2 (our kernel, blocks read in place), sdpa (gather + torch "
+                        "SDPA); auto: avx2 where the best ISA is AVX2, sdpa elsewhere")
+
+
 def _add_worker(p: argparse.ArgumentParser, role: str, port: int) -> None:
     _add_model(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind the gRPC server to")
@@ -97,6 +114,7 @@ def _add_worker(p: argparse.ArgumentParser, role: str, port: int) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="attention (and norm/activation) kernels: torch (the CPU path and "
                         "reference) or triton; auto: triton on CUDA, torch elsewhere")
+    _add_cpu_paths(p)
     p.add_argument("--quantization", default="none", choices=QUANTIZATION_CHOICES,
                    help="none: full precision, or a pre-quantized checkpoint's own format (read "
                         "from its config.json: GPTQ and AWQ 4-bit, compressed-tensors W4A16 and "
@@ -589,6 +607,7 @@ def _add_stepbench(sub) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="attention kernels")
+    _add_cpu_paths(p)
     p.add_argument("--quantization", default="none", choices=QUANTIZATION_CHOICES,
                    help="as the workers' flag; w4a16 / w8a8 with random weights (no --model)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
@@ -597,6 +616,12 @@ def _add_stepbench(sub) -> None:
     p.add_argument("--structured", default="off", choices=["off", "json"],
                    help="json: every sequence follows a JSON-schema grammar; the report adds "
                         "the grammar masks' time per step")
+    p.add_argument("--compare", default=None, metavar="BATCHES",
+                   help="comma list of batch sizes (e.g. 1,8,32): time every CPU path this "
+                        "host can run (each --linear-method x --cpu-attention) at each, "
+                        "interleaved, and print one table (ratios against the auto choice)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="with --compare: passes over all paths (the median is kept)")
     p.add_argument("--out", default=None, help="JSON file for the figures")
     p.set_defaults(target="pdserve.bench.stepbench:main")
 

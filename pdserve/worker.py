@@ -59,6 +59,7 @@ def build_engine(args, role: str):
                        long_prefill_tokens=args.long_prefill_tokens,
                        enable_prefix_caching=args.prefix_cache, hash_seed=args.hash_seed,
                        attention_backend=args.attention_backend,
+                       linear_method=args.linear_method, cpu_attention=args.cpu_attention,
                        enforce_eager=args.enforce_eager,
                        gpu_memory_utilization=args.gpu_memory_utilization,
                        max_request_kv_share=getattr(args, "max_request_kv_share", 1.0),

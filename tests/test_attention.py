@@ -71,3 +71,29 @@ def test_every_path_matches_dense_causal_attention(limit, num_groups, kernel):
 def test_cpu_groups_gather_about_two_mib_per_layer():
     pool = torch.zeros(1, 2, 1, BS, 3, 64)                 # fp32, 3 KV heads of 64
     assert group_tokens_for(pool) == (2 << 20) // (2 * 3 * 64 * 4)
+
+
+def test_cpu_attention_choice_forces_a_path_or_says_why_it_cannot(monkeypatch):
+    from engine.attention import torch_backend
+    from engine.attention.torch_backend import use_cpu_kernel
+    from kernels import cpu_build
+
+    cpu = torch.device("cpu")
+    assert use_cpu_kernel("sdpa", cpu, 64, 16, torch.float32) is False
+    if cpu_attention.available():
+        assert use_cpu_kernel("avx2", cpu, 64, 16, torch.float32) is True
+        monkeypatch.setattr(cpu_build, "avx2_host", lambda: False)     # an AVX-512 host
+        assert use_cpu_kernel("auto", cpu, 64, 16, torch.float32) is False
+        monkeypatch.setattr(cpu_build, "avx2_host", lambda: True)
+        assert use_cpu_kernel("auto", cpu, 64, 16, torch.float32) is True
+        with pytest.raises(ValueError, match="--cpu-attention avx2: .*head_dim a multiple of 8"):
+            use_cpu_kernel("avx2", cpu, 20, 16, torch.float32)
+    with pytest.raises(ValueError, match="--cpu-attention avx2: .*CPUs only"):
+        use_cpu_kernel("avx2", torch.device("meta"), 64, 16, torch.float32)
+    with pytest.raises(ValueError, match="cpu_attention must be one of"):
+        use_cpu_kernel("flash", cpu, 64, 16, torch.float32)
+    monkeypatch.setattr(torch_backend.cpu_attention, "supports", lambda *a: False)
+    monkeypatch.setattr(torch_backend.cpu_attention, "available", lambda: False)
+    with pytest.raises(ValueError, match="AVX2 and FMA"):
+        use_cpu_kernel("avx2", cpu, 64, 16, torch.float32)
+    assert use_cpu_kernel("auto", cpu, 64, 16, torch.float32) is False

@@ -8,11 +8,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.linear import (Avx2Method, DenseMethod, Int8Method, Linear, MergedLinear,
-                                  linear_method_for, packed_copy)
-from kernels import cpu_linear
+                                  OneDnnMethod, linear_method_for, onednn_available, packed_copy,
+                                  runnable_linear_methods)
+from engine.weights import weight_bytes
+from kernels import cpu_build, cpu_linear
+from tests.cpu_paths import linear_params
+
+CPU = torch.device("cpu")
 
 needs_kernel = pytest.mark.skipif(not cpu_linear.cpu_supported(),
-                                  reason="the kernel targets x86 CPUs whose best ISA is AVX2")
+                                  reason="the kernel needs an x86 CPU with AVX2 and FMA")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -97,7 +102,8 @@ def test_linear_layers_pack_after_loading_including_a_tied_head():
     emb = nn.Embedding(50, 24)
     w, b = torch.randn(40, 24), torch.randn(40)
     x = torch.randn(5, 24)
-    assert isinstance(linear_method_for(torch.device("cpu"), torch.float32), Avx2Method)
+    auto = linear_method_for(torch.device("cpu"), torch.float32)
+    assert isinstance(auto, Avx2Method) == cpu_linear.preferred()
     proj = packed_copy(w, Avx2Method(), b)
     head = Linear(24, 50, False, Avx2Method())
     head.weight = emb.weight                         # tied, as a model's lm_head
@@ -107,6 +113,55 @@ def test_linear_layers_pack_after_loading_including_a_tied_head():
         torch.testing.assert_close(head(x), F.linear(x, emb.weight), rtol=1e-5, atol=1e-5)
     assert proj.weight is None and head.weight is None      # only the packed copies remain
     assert emb.weight.shape == (50, 24)                # the tied parameter is left in place
+
+
+@pytest.mark.parametrize("method", linear_params())
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_every_forced_method_matches_torch_and_counts_its_weight_memory(method, with_bias):
+    """--linear-method avx2 / onednn / torch: each computes F.linear, and the startup log's
+    weight memory is read from whatever it holds (oneDNN's packed weight is opaque)."""
+    chosen = linear_method_for(CPU, torch.float32, "none", method)
+    assert chosen.name == {"torch": "dense"}.get(method, method)
+    for m, n, k in [(1, 40, 24), (7, 33, 100), (17, 576, 64)]:
+        x, w, b = _case(m, n, k, with_bias)
+        layer = packed_copy(w, chosen, b)
+        with torch.inference_mode():
+            torch.testing.assert_close(layer(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        held = weight_bytes(layer)
+        assert held >= n * k * 4 + (n * 4 if with_bias else 0)
+        assert held <= 2 * (-(-n // 16) * 16 * k * 4 + n * 4)
+
+
+def test_forced_methods_that_cannot_run_are_refused_by_name(monkeypatch):
+    with pytest.raises(ValueError, match="--linear-method onednn: .*float weights only"):
+        linear_method_for(CPU, torch.float32, "int8", "onednn")
+    for choice in ("avx2", "onednn"):
+        with pytest.raises(ValueError, match=f"--linear-method {choice}: a float32 CPU path"):
+            linear_method_for(CPU, torch.bfloat16, "none", choice)
+        with pytest.raises(ValueError, match=f"--linear-method {choice}: a float32 CPU path"):
+            linear_method_for(torch.device("meta"), torch.float32, "none", choice)
+    with pytest.raises(ValueError, match="linear method must be one of"):
+        linear_method_for(CPU, torch.float32, "none", "mkl")
+    # torch's path: integer weights take the dequantize-then-matmul reference, not the kernel
+    assert linear_method_for(CPU, torch.float32, "int8", "torch").kernel is False
+    monkeypatch.setattr(cpu_linear, "available", lambda: False)   # no AVX2, or no compiler
+    with pytest.raises(ValueError, match="--linear-method avx2: our kernel needs"):
+        linear_method_for(CPU, torch.float32, "none", "avx2")
+    assert "avx2" not in runnable_linear_methods(CPU, torch.float32)
+
+
+def test_auto_picks_by_the_hosts_best_isa(monkeypatch):
+    """AVX2-best hosts: our kernel; AVX-512 hosts: oneDNN for float weights, our int8 kernel for
+    integer ones (it runs there too); no kernel at all: oneDNN, and the int8 reference."""
+    monkeypatch.setattr(cpu_build, "avx2_host", lambda: True)
+    if cpu_linear.available():
+        assert isinstance(linear_method_for(CPU, torch.float32), Avx2Method)
+    monkeypatch.setattr(cpu_build, "avx2_host", lambda: False)
+    if onednn_available(CPU, torch.float32):
+        assert isinstance(linear_method_for(CPU, torch.float32), OneDnnMethod)
+    assert linear_method_for(CPU, torch.float32, "int8").kernel == cpu_linear.available()
+    monkeypatch.setattr(cpu_linear, "available", lambda: False)
+    assert linear_method_for(CPU, torch.float32, "int8").kernel is False
 
 
 def test_merged_linear_loads_each_shard_into_its_rows():

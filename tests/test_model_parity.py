@@ -10,6 +10,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.request import Request, SamplingParams
 from pdserve.gpucheck import engine_logits
+from tests.cpu_paths import attention_params, linear_params
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -39,13 +40,19 @@ def make_model(tmp_path, family: str):
     return hf
 
 
+@pytest.mark.parametrize("attention", attention_params(head_dim=16, block_size=4))
+@pytest.mark.parametrize("linear", linear_params())
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_logits_match_hf(tmp_path, family):
+def test_logits_match_hf(tmp_path, family, linear, attention):
+    """On every CPU path this host runs (--linear-method x --cpu-attention)."""
     hf = make_model(tmp_path, family)
     mc = ModelConfig.from_dir(tmp_path)
     assert mc.attention_bias == (family == "qwen2") and mc.qk_norm == (family == "qwen3")
-    eng = Engine(tmp_path, EngineConfig(num_blocks=32, block_size=4, max_num_batched_tokens=64),
-                 mc)
+    eng = Engine(tmp_path, EngineConfig(num_blocks=32, block_size=4, max_num_batched_tokens=64,
+                                        linear_method=linear, cpu_attention=attention), mc)
+    want = {"torch": "dense"}.get(linear, linear)
+    assert {m.method.name for m in eng.model.modules() if hasattr(m, "method")} == {want}
+    assert eng.runner.backend.kernel == (attention == "avx2")
     ids = torch.randint(0, 128, (1, 37), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(ids).logits[0]                                          # [37, vocab]
@@ -54,10 +61,13 @@ def test_logits_match_hf(tmp_path, family):
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("attention", attention_params(head_dim=16, block_size=4))
+@pytest.mark.parametrize("linear", linear_params())
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_greedy_generate_matches_hf(tmp_path, family):
+def test_greedy_generate_matches_hf(tmp_path, family, linear, attention):
     hf = make_model(tmp_path, family)
-    eng = Engine(tmp_path, EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=8))
+    eng = Engine(tmp_path, EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=8,
+                                        linear_method=linear, cpu_attention=attention))
     prompts = [[5, 9, 17, 3, 3, 100, 41], [7] * 13, [1, 2, 3]]
     for i, p in enumerate(prompts):
         eng.add_request(Request(str(i), p, SamplingParams(temperature=0, max_tokens=20,

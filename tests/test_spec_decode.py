@@ -15,6 +15,7 @@ from engine.engine import Engine
 from engine.request import Request, SamplingParams
 from engine.spec import NgramProposer, Proposal, SpecController
 from engine.spec.verify import rejection_sample, verify
+from tests.cpu_paths import linear_params
 from tests.test_batching import run
 from tests.test_model_parity import make_model
 
@@ -198,6 +199,17 @@ def test_greedy_with_speculation_equals_plain_decoding(model_dir, wrong_draft, s
         eng = engine(model_dir, speculative=spec)
         assert run(eng, [r]) == {r.request_id: plain[r.request_id]}
         _pools_free(eng)
+
+
+@pytest.mark.parametrize("linear", linear_params())
+def test_ngram_speculation_equals_plain_decoding_on_every_linear_path(model_dir, linear):
+    """Verification scores several tokens of a sequence in one step: on every --linear-method
+    its greedy tokens are plain decoding's (oneDNN's rows included)."""
+    plain = run(engine(model_dir, linear_method=linear), requests())
+    eng = engine(model_dir, speculative="ngram", linear_method=linear)
+    assert run(eng, requests()) == plain
+    assert eng.stats.spec_accepted > 0
+    _pools_free(eng)
 
 
 def test_speculation_stops_at_eos_and_max_tokens(model_dir):

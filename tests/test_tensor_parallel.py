@@ -15,10 +15,12 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine, KVLayout
+from engine.layers.linear import linear_method_for
 from engine.parallel import check_split, head_range
 from engine.request import Request, SamplingParams
 from kvtransfer.base import LayoutMismatch, check_layout
 from pdserve.gpucheck import engine_generate, engine_logits
+from tests.cpu_paths import linear_params
 from tests.test_model_parity import make_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,6 +62,21 @@ def test_tp_matches_one_rank(tmp_path, family, tp):
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
     assert kv.shape == ref_kv.shape                  # every KV head, in order
     torch.testing.assert_close(kv, ref_kv, rtol=1e-5, atol=1e-5)
+    assert tokens == ref_tokens
+
+
+@pytest.mark.parametrize("linear", linear_params())
+def test_tp_matches_one_rank_on_every_linear_path(tmp_path, linear):
+    """--linear-method under tensor parallelism: each rank packs its own shards (the path
+    auto picks here is test_tp_matches_one_rank's)."""
+    auto = linear_method_for(torch.device("cpu"), torch.float32).name
+    if {"dense": "torch"}.get(auto, auto) == linear:
+        pytest.skip(f"{linear} is this host's auto choice: test_tp_matches_one_rank runs it")
+    make_model(tmp_path, "llama")
+    ids = torch.randint(0, 128, (21,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref_logits, _, ref_tokens = _run(tmp_path, 1, ids, linear_method=linear)
+    logits, _, tokens = _run(tmp_path, 2, ids, linear_method=linear)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
     assert tokens == ref_tokens
 
 

@@ -111,10 +111,19 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
 
 
 def create_backend(name: str, model: ModelConfig, block_size: int, dtype: torch.dtype,
-                   device: torch.device, sizes: BufferSizes) -> AttentionBackend:
+                   device: torch.device, sizes: BufferSizes, cpu_attention: str = "auto"
+                   ) -> AttentionBackend:
     """The backend `name` ("auto", "torch", "triton"); its module is imported only now (the
-    triton one imports triton)."""
+    triton one imports triton). `cpu_attention` is the torch backend's path on CPUs
+    (torch_backend.CPU_ATTENTION); another backend takes only "auto"."""
     import importlib
 
-    module, cls = _BACKENDS[resolve_backend_name(name, device)].split(":")
-    return getattr(importlib.import_module(module), cls)(model, block_size, dtype, device, sizes)
+    resolved = resolve_backend_name(name, device)
+    module, cls = _BACKENDS[resolved].split(":")
+    backend_cls = getattr(importlib.import_module(module), cls)
+    if resolved == "torch":
+        return backend_cls(model, block_size, dtype, device, sizes, cpu_attention=cpu_attention)
+    if cpu_attention != "auto":
+        raise ValueError(f"--cpu-attention {cpu_attention} is a path of the torch attention "
+                         f"backend on CPUs, not of {resolved!r}")
+    return backend_cls(model, block_size, dtype, device, sizes)

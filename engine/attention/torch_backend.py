@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, BatchLayout
+from engine.config import CPU_ATTENTION
 from engine.layers.rotary import apply_rotary
-from kernels import cpu_attention
+from kernels import cpu_attention, cpu_build
 
 
 MAX_GROUPED_QUERY = 32     # longest query attended in a padded group rather than on its own
@@ -276,18 +277,38 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     return o.squeeze(0).transpose(0, 1)                                  # [q_len, heads, d]
 
 
+def use_cpu_kernel(choice: str, device: torch.device, head_dim: int, block_size: int,
+                   dtype: torch.dtype) -> bool:
+    """Whether decodes and short queries go to our AVX2 kernel (`choice` "avx2") or to gather +
+    SDPA ("sdpa"); "auto": the kernel where it runs and the host's best ISA is AVX2 (measured
+    faster there, README); on AVX-512 hosts gather + SDPA until measured otherwise."""
+    if choice not in CPU_ATTENTION:
+        raise ValueError(f"cpu_attention must be one of {CPU_ATTENTION}, got {choice!r}")
+    runs = device.type == "cpu" and cpu_attention.supports(head_dim, block_size, dtype)
+    if choice == "avx2" and not runs:
+        why = ("it runs on CPUs only" if device.type != "cpu" else
+               "it needs an x86 CPU with AVX2 and FMA and a C++ compiler"
+               if not cpu_attention.available() else
+               f"it takes float32, head_dim a multiple of 8 and blocks of at most "
+               f"{cpu_attention.max_block()} tokens (got {dtype}, {head_dim}, {block_size})")
+        raise ValueError(f"--cpu-attention avx2: the AVX2 attention kernel cannot run here: {why}")
+    if choice == "auto":
+        return runs and cpu_build.avx2_host()
+    return choice == "avx2"
+
+
 class TorchBackend(AttentionBackend):
     """Metadata built from the host's lists each step (AttentionMetadata); eager only."""
 
     name = "torch"
 
-    def __init__(self, *args) -> None:
+    def __init__(self, *args, cpu_attention: str = "auto") -> None:
         super().__init__(*args)
         elem = torch.empty((), dtype=self.dtype).element_size()
         self.group_tokens = _group_tokens(self.device, self.model.num_kv_heads,
                                           self.model.head_dim, elem)
-        self.kernel = self.device.type == "cpu" and cpu_attention.supports(
-            self.model.head_dim, self.block_size, self.dtype)
+        self.kernel = use_cpu_kernel(cpu_attention, self.device, self.model.head_dim,
+                                     self.block_size, self.dtype)
 
     def build(self, batch: BatchLayout, buffers=None, pad_to: int | None = None
               ) -> AttentionMetadata:

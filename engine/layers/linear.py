@@ -14,11 +14,13 @@ The method creates the layer's weight parameters (`create_weights`: a float `wei
 pre-quantized checkpoint's int8 `weight` and float32 `weight_scale`, which the same loaders
 shard), and `process_weights_after_loading` lets it repack them once:
 - `DenseMethod`: F.linear (GPUs, 16-bit dtypes, hosts without a faster kernel).
-- `Avx2Method` (kernels/cpu_linear.py, ours) on x86 CPUs whose best vector ISA is AVX2: at memory
-  speed up to ~9 rows and near the FMA peak beyond, where oneDNN reaches 60-80% of the peak
-  (`pdserve linearbench`). A row's result does not depend on the rest of the batch.
-- `OneDnnMethod` elsewhere on fp32 CPUs with torch's oneDNN ops (AVX-512, AMX): the weight packed
-  once in oneDNN's layout instead of MKL repacking it on every small-batch call.
+- `Avx2Method` (kernels/cpu_linear.py, ours) by default on x86 CPUs whose best vector ISA is
+  AVX2 (it runs on AVX-512 ones too): at memory speed up to ~9 rows and near the FMA peak
+  beyond, where oneDNN reaches 60-80% of the peak (`pdserve linearbench`). A row's result does
+  not depend on the rest of the batch.
+- `OneDnnMethod` by default on other fp32 CPUs with torch's oneDNN ops (AVX-512, AMX): the
+  weight packed once in oneDNN's layout instead of MKL repacking it on every small-batch call.
+`--linear-method` forces one of them where it can run (`linear_method_for`).
 - `Int8Method` (--quantization int8): weight-only int8 per output channel, quantized at load.
 - `QuantizedMethod`: a pre-quantized checkpoint's integer weights with group or channel scales
   (GPTQ, AWQ, compressed-tensors W4A16 / W8A8; engine.layers.quant_formats), activations
@@ -34,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.config import LINEAR_METHODS
 from engine.layers.quant_formats import QuantScheme
 from engine.parallel import SINGLE, TPGroup
 from kernels import cpu_linear
@@ -212,23 +215,67 @@ class QuantizedMethod(IntegerWeights):
 QUANTIZATIONS = ("none", "int8")
 
 
+def _refuse(choice: str, why: str) -> ValueError:
+    return ValueError(f"--linear-method {choice}: {why}")
+
+
 def linear_method_for(device: torch.device, dtype: torch.dtype,
-                      quantization: str | QuantScheme = "none") -> LinearMethod:
-    """The method this host runs best for weights of `dtype` on `device`, quantized as
-    `quantization` says ("none", "int8", or a pre-quantized checkpoint's scheme)."""
-    kernel = device.type == "cpu" and dtype == torch.float32 and cpu_linear.available()
+                      quantization: str | QuantScheme = "none", choice: str = "auto"
+                      ) -> LinearMethod:
+    """How the linear layers of weights of `dtype` on `device` compute, quantized as
+    `quantization` says ("none", "int8", or a pre-quantized checkpoint's scheme).
+
+    `choice` ("auto", or one of LINEAR_METHODS) forces a CPU path: "avx2" our kernel (any x86
+    CPU with AVX2 and FMA, AVX-512 ones too; integer weights in its int8 panels), "onednn"
+    torch's oneDNN packed linear (float weights only: integer weights are refused), "torch"
+    F.linear (integer weights: the dequantize-then-matmul reference, or the Triton kernel on
+    CUDA). "auto" is what measured fastest on the host's kind (README, `pdserve stepbench`):
+    our kernel where the best ISA is AVX2, oneDNN on AVX-512 hosts for float weights (our
+    kernel for integer ones), F.linear elsewhere. A forced path that cannot run here is an
+    error naming why."""
+    if choice not in LINEAR_METHODS:
+        raise ValueError(f"linear method must be one of {LINEAR_METHODS}, got {choice!r}")
+    quantized = isinstance(quantization, QuantScheme) or quantization == "int8"
+    if not isinstance(quantization, QuantScheme) and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    fp32_cpu = device.type == "cpu" and dtype == torch.float32
+    if choice in ("avx2", "onednn") and not fp32_cpu:
+        raise _refuse(choice, f"a float32 CPU path (this engine computes {dtype} on "
+                              f"{device.type}); use auto or torch")
+    if choice == "avx2" and not cpu_linear.available():
+        raise _refuse(choice, "our kernel needs an x86 CPU with AVX2 and FMA and a C++ "
+                              "compiler (see the log for why it did not build)")
+    if choice == "onednn":
+        if quantized:
+            raise _refuse(choice, "oneDNN's packed linear takes float weights only; integer "
+                                  "weights (--quantization, a pre-quantized checkpoint) run "
+                                  "with --linear-method avx2, torch or auto")
+        if not onednn_available(device, dtype):
+            raise _refuse(choice, "this torch build has no oneDNN linear ops")
+    kernel = fp32_cpu and cpu_linear.available() and choice in ("auto", "avx2")
     if isinstance(quantization, QuantScheme):
         return QuantizedMethod(quantization, kernel)
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     if quantization == "int8":
         return Int8Method(kernel)
-    if device.type == "cpu" and dtype == torch.float32:
-        if cpu_linear.available():
-            return Avx2Method()
-        if onednn_available(device, dtype):
-            return OneDnnMethod()
+    if choice == "avx2" or (choice == "auto" and kernel and cpu_linear.preferred()):
+        return Avx2Method()
+    if choice == "onednn" or (choice == "auto" and onednn_available(device, dtype)):
+        return OneDnnMethod()
     return DenseMethod()
+
+
+def runnable_linear_methods(device: torch.device, dtype: torch.dtype,
+                            quantization: str | QuantScheme = "none") -> list[str]:
+    """The forced choices that run on this host for these weights (tests and benchmarks go
+    over every one)."""
+    ok = []
+    for choice in LINEAR_METHODS[1:]:
+        try:
+            linear_method_for(device, dtype, quantization, choice)
+        except ValueError:
+            continue
+        ok.append(choice)
+    return ok
 
 
 def materialize(loaded) -> torch.Tensor:

@@ -14,6 +14,11 @@ step and its share of the step.
 
 --tensor-parallel-size N splits the model over N ranks (processes, --threads each; on CPUs over
 gloo): the linear layers are timed on rank 0, their all-reduces included.
+
+--compare 1,8,32 times every CPU path the host can run (--linear-method avx2 / onednn / torch
+x --cpu-attention avx2 / sdpa) at each batch size, --rounds passes over them all interleaved
+(the machine's noise falls on every path alike), and prints one table of median step times with
+each path's ratio to the path `auto` picks on this host: the figures the defaults are chosen by.
 """
 
 from __future__ import annotations
@@ -79,6 +84,8 @@ def run(args) -> dict:
                  EngineConfig(num_blocks=blocks, max_num_seqs=args.batch,
                               max_num_batched_tokens=budget,
                               attention_backend=args.attention_backend,
+                              linear_method=getattr(args, "linear_method", "auto"),
+                              cpu_attention=getattr(args, "cpu_attention", "auto"),
                               quantization=args.quantization,
                               tensor_parallel_size=getattr(args, "tensor_parallel_size", 1)))
     try:
@@ -128,8 +135,13 @@ def _measure(args, eng: Engine, new: int) -> dict:
             linear.append(spent[0])
     step, lin = statistics.median(steps), statistics.median(linear)
     tp = eng.cfg.tensor_parallel_size
+    runner = eng.runner
+    methods = sorted({m.method.name for m in eng.model.modules() if isinstance(m, Linear)})
+    attention = runner.backend.name
+    if getattr(runner.backend, "kernel", None) is not None and runner.device.type == "cpu":
+        attention += "/avx2" if runner.backend.kernel else "/sdpa"
     out = dict(batch=args.batch, context=args.context, threads=args.threads, tensor_parallel=tp,
-               backend=eng.runner.backend.name, step_ms=step * 1e3, linear_ms=lin * 1e3,
+               backend=attention, linear_methods=methods, step_ms=step * 1e3, linear_ms=lin * 1e3,
                outside_ms=(step - lin) * 1e3, outside_share=(step - lin) / step,
                best_step_ms=min(steps) * 1e3)
     if structured:
@@ -137,7 +149,7 @@ def _measure(args, eng: Engine, new: int) -> dict:
         out.update(structured="json", mask_ms=mask * 1e3, mask_share=mask / step)
     print(f"batch {args.batch}, {args.context}-token contexts, {args.threads} thread(s)"
           f"{f' x {tp} ranks' if tp > 1 else ''}, "
-          f"{out['backend']} attention: decode step {out['step_ms']:.1f} ms (median of "
+          f"{out['backend']} attention, linear {'+'.join(methods)}: decode step {out['step_ms']:.1f} ms (median of "
           f"{args.steps}, best {out['best_step_ms']:.1f}); linear layers {out['linear_ms']:.1f} "
           f"ms; outside them {out['outside_ms']:.1f} ms = {out['outside_share']:.0%}")
     if structured:
@@ -150,6 +162,74 @@ def _measure(args, eng: Engine, new: int) -> dict:
     return out
 
 
+def cpu_paths() -> list[tuple[str, str]]:
+    """(linear method, cpu attention) pairs this host runs for the fp32 model on its CPU."""
+    from engine.layers.linear import runnable_linear_methods
+    from kernels import cpu_attention
+
+    attn = ["avx2", "sdpa"] if cpu_attention.available() else ["sdpa"]
+    return [(lin, a) for lin in runnable_linear_methods(torch.device("cpu"), torch.float32)
+            for a in attn]
+
+
+def auto_path() -> tuple[str, str]:
+    """What `auto` resolves to on this host (fp32 on the CPU)."""
+    from engine.attention.torch_backend import use_cpu_kernel
+    from engine.layers.linear import linear_method_for
+
+    method = linear_method_for(torch.device("cpu"), torch.float32).name
+    kernel = use_cpu_kernel("auto", torch.device("cpu"), 64, 16, torch.float32)
+    return ("torch" if method == "dense" else method), ("avx2" if kernel else "sdpa")
+
+
+def compare(args) -> list[dict]:
+    """The --compare table: every path at every batch, interleaved over --rounds."""
+    import argparse
+    import contextlib
+    import io
+
+    batches = [int(b) for b in args.compare.split(",") if b.strip()]
+    paths = cpu_paths()
+    times: dict[tuple, list[float]] = {}
+    for r in range(args.rounds):
+        for batch in batches:
+            for lin, attn in paths:
+                one = argparse.Namespace(**{**vars(args), "batch": batch, "linear_method": lin,
+                                            "cpu_attention": attn, "out": None,
+                                            "compare": None})
+                with contextlib.redirect_stdout(io.StringIO()):
+                    got = run(one)
+                times.setdefault((batch, lin, attn), []).append(got["step_ms"])
+                print(f"round {r + 1}/{args.rounds}: batch {batch}, linear {lin}, attention "
+                      f"{attn}: {got['step_ms']:.1f} ms", flush=True)
+    auto = auto_path()
+    rows = []
+    for batch in batches:
+        base = statistics.median(times.get((batch, *auto), [float("nan")]))
+        for lin, attn in paths:
+            ms = statistics.median(times[(batch, lin, attn)])
+            rows.append(dict(batch=batch, linear=lin, attention=attn, step_ms=ms,
+                             tok_s=batch / ms * 1e3, vs_auto=ms / base,
+                             auto=(lin, attn) == auto))
+    cap = torch.backends.cpu.get_cpu_capability()
+    print(f"\ndecode steps, {args.context}-token contexts, {args.threads} thread(s), fp32, "
+          f"best ISA {cap}; median of {args.rounds} rounds x {args.steps} steps; auto here = "
+          f"linear {auto[0]}, attention {auto[1]}")
+    print(f"{'batch':>5}  {'linear':<7} {'attention':<9} {'step ms':>8} {'tok/s':>8} "
+          f"{'x auto':>7}")
+    for row in rows:
+        mark = "  <- auto" if row["auto"] else ""
+        print(f"{row['batch']:>5}  {row['linear']:<7} {row['attention']:<9} "
+              f"{row['step_ms']:>8.1f} {row['tok_s']:>8.1f} {row['vs_auto']:>7.2f}{mark}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(isa=cap, auto=auto, rows=rows), f, indent=1)
+    return rows
+
+
 def main(args) -> int:
-    run(args)
+    if getattr(args, "compare", None):
+        compare(args)
+    else:
+        run(args)
     return 0
