@@ -259,3 +259,27 @@ def test_stepbench_splits_a_decode_step_into_linears_and_the_rest(model_dir, tmp
     assert 0 < got["linear_ms"] < got["step_ms"]
     assert abs(got["outside_ms"] - (got["step_ms"] - got["linear_ms"])) < 1e-6
     assert "outside them" in proc.stdout
+
+
+def test_stepbench_compare_times_every_cpu_path_the_host_runs(model_dir, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from pdserve.bench.stepbench import auto_path, cpu_paths
+
+    out = tmp_path / "compare.json"
+    proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "stepbench", "--model",
+                           str(model_dir), "--compare", "2", "--context", "20", "--steps", "1",
+                           "--rounds", "1", "--out", str(out)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(out.read_text())
+    paths = cpu_paths()
+    assert ("torch", "sdpa") in paths and tuple(got["auto"]) == auto_path() in paths
+    assert [(r["batch"], r["linear"], r["attention"]) for r in got["rows"]] == [
+        (2, lin, attn) for lin, attn in paths]
+    assert all(r["step_ms"] > 0 for r in got["rows"])
+    assert all(r["vs_auto"] == 1.0 for r in got["rows"] if r["auto"])
+    assert sum(r["auto"] for r in got["rows"]) == 1
+    assert "x auto" in proc.stdout and "<- auto" in proc.stdout

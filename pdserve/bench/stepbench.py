@@ -137,11 +137,11 @@ def _measure(args, eng: Engine, new: int) -> dict:
     tp = eng.cfg.tensor_parallel_size
     runner = eng.runner
     methods = sorted({m.method.name for m in eng.model.modules() if isinstance(m, Linear)})
-    attention = runner.backend.name
-    if getattr(runner.backend, "kernel", None) is not None and runner.device.type == "cpu":
-        attention += "/avx2" if runner.backend.kernel else "/sdpa"
+    cpu_path = None
+    if runner.device.type == "cpu" and getattr(runner.backend, "kernel", None) is not None:
+        cpu_path = "avx2" if runner.backend.kernel else "sdpa"
     out = dict(batch=args.batch, context=args.context, threads=args.threads, tensor_parallel=tp,
-               backend=attention, linear_methods=methods, step_ms=step * 1e3, linear_ms=lin * 1e3,
+               backend=runner.backend.name, cpu_attention=cpu_path, linear_methods=methods, step_ms=step * 1e3, linear_ms=lin * 1e3,
                outside_ms=(step - lin) * 1e3, outside_share=(step - lin) / step,
                best_step_ms=min(steps) * 1e3)
     if structured:
@@ -149,7 +149,7 @@ def _measure(args, eng: Engine, new: int) -> dict:
         out.update(structured="json", mask_ms=mask * 1e3, mask_share=mask / step)
     print(f"batch {args.batch}, {args.context}-token contexts, {args.threads} thread(s)"
           f"{f' x {tp} ranks' if tp > 1 else ''}, "
-          f"{out['backend']} attention, linear {'+'.join(methods)}: decode step {out['step_ms']:.1f} ms (median of "
+          f"{out['backend']}{f'/{cpu_path}' if cpu_path else ''} attention, linear {'+'.join(methods)}: decode step {out['step_ms']:.1f} ms (median of "
           f"{args.steps}, best {out['best_step_ms']:.1f}); linear layers {out['linear_ms']:.1f} "
           f"ms; outside them {out['outside_ms']:.1f} ms = {out['outside_share']:.0%}")
     if structured:
