@@ -401,6 +401,15 @@ def _add_up(sub) -> None:
         "gateway", "Passed to the gateway (see `pdserve gateway -h`). A flag not given keeps "
                    "the gateway's default.")
     _add_passthrough(workers, gateway)
+    gateway.add_argument("--ssl-client-certfile", default=None, metavar="PEM",
+                         help="under mutual TLS (--ssl-ca-certs): the client certificate `up` "
+                              "presents to its gateway's /health while it waits for the stack "
+                              "(and shows in its curl examples); default: the server's own "
+                              "--ssl-certfile/--ssl-keyfile, which the CA must then have signed "
+                              "for client authentication too (extendedKeyUsage clientAuth, or "
+                              "none). A certificate the gateway refuses stops `up` at once")
+    gateway.add_argument("--ssl-client-keyfile", default=None, metavar="PEM",
+                         help="the private key of --ssl-client-certfile")
     extra = up.add_argument_group(
         "flags for one process",
         "Shell-quoted flags appended to one process's command line after the shared ones, so "

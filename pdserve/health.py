@@ -10,6 +10,7 @@ the gateway answers `GET /health` with 200. Torch-free.
 from __future__ import annotations
 
 import json
+import ssl
 import sys
 import urllib.error
 import urllib.request
@@ -29,20 +30,36 @@ def grpc_serving(address: str, timeout_s: float = 2.0) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def unverified_context(certfile: str | None = None, keyfile: str | None = None
+                       ) -> ssl.SSLContext:
+    """A client TLS context that does not check the server's certificate (a process probing its
+    own child on 127.0.0.1), presenting certfile/keyfile when given (a server under mutual TLS).
+    ssl.SSLError or OSError when they cannot be loaded."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    if certfile:
+        context.load_cert_chain(certfile, keyfile)
+    return context
+
+
+def get_json(url: str, timeout_s: float = 2.0, headers: dict | None = None,
+             context: ssl.SSLContext | None = None) -> dict:
+    """The JSON body of GET url. Raises what urllib raises: HTTPError for a status other than
+    2xx, URLError or OSError (ssl.SSLError among them) when no answer came, ValueError for a
+    body that is not JSON."""
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}),
+                                timeout=timeout_s, context=context) as resp:
+        return json.loads(resp.read())
+
+
 def http_json(url: str, timeout_s: float = 2.0, headers: dict | None = None,
               verify: bool = True) -> dict | None:
     """The JSON body of GET url when it answers 200, else None. `verify` False: an https
-    server's certificate is not checked (a process probing its own child on 127.0.0.1)."""
-    context = None
-    if url.startswith("https") and not verify:
-        import ssl
-        context = ssl.create_default_context()
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
+    server's certificate is not checked."""
+    context = unverified_context() if url.startswith("https") and not verify else None
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}),
-                                    timeout=timeout_s, context=context) as resp:
-            return json.loads(resp.read()) if resp.status == 200 else None
+        return get_json(url, timeout_s, headers, context)
     except (urllib.error.URLError, OSError, ValueError):
         return None
 

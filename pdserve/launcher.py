@@ -4,10 +4,11 @@
 
 Each child is started with `python -m pdserve.cli <role> ...` (child_commands: every `up` flag
 given that the role has, then that role's --<role>-args) and waited on until it is healthy
-(workers: the gRPC health service; gateway: GET /health lists both workers). Ctrl-C or SIGTERM
-stops them all, newest first (SIGTERM, then SIGKILL after a grace period), and exits 0; a child
-that dies on its own stops the rest and exits 1. On Linux the kernel sends children SIGTERM if
-this process dies without cleaning up.
+(workers: the gRPC health service; gateway: GET /health lists both workers, asked the way the
+gateway serves it: TLS, mutual TLS with a client certificate, an API key; GatewayProbe). Ctrl-C
+or SIGTERM stops them all, newest first (SIGTERM, then SIGKILL after a grace period), and exits
+0; a child that dies on its own stops the rest and exits 1. On Linux the kernel sends children
+SIGTERM if this process dies without cleaning up.
 
 Secrets: unless a deployment token is given (--cluster-token-file or $PDSERVE_CLUSTER_TOKEN),
 `up` makes a fresh one and hands it to its children in their environment; the Redis it starts
@@ -22,10 +23,14 @@ import os
 import secrets
 import shutil
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -39,6 +44,8 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0  # a worker loads the model and sizes its KV pool before it serves
 STOP_GRACE_S = 10.0
 POLL_S = 0.5
+REFUSAL_WAIT_S = 2.0  # a gateway that accepts the probe's certificate has said no by then
+CLI = (sys.executable, "-m", "pdserve.cli")  # a child's command line: CLI, its role, its flags
 
 
 class _Stop(Exception):
@@ -245,7 +252,7 @@ def child_commands(args, model: Path, redis_url: str,
     """The command lines of the prefill and decode workers and the gateway: `up`'s plumbing and
     shared flags, the passed-through flags, then --prefill-args/--decode-args/--gateway-args
     (last, so they win)."""
-    cli = [sys.executable, "-m", "pdserve.cli"]
+    cli = list(CLI)
     prefill_dev, decode_dev, share = place_workers(
         args.device, num_gpus, role_tensor_parallel(args, "prefill"),
         role_tensor_parallel(args, "decode"))
@@ -272,11 +279,14 @@ def _deployment_token(args) -> None:
         os.environ[ENV_VAR] = secrets.token_urlsafe(32)
 
 
-def _start_all(args, stack: Stack) -> tuple[Path, str]:
+def _start_all(args, stack: Stack) -> tuple[Path, str, "GatewayProbe"]:
     model = _ensure_model(args.model)
     _deployment_token(args)
     redis_url = args.redis_url or _start_redis(stack, args.redis_port)
     commands = child_commands(args, model, redis_url)
+    probe = GatewayProbe.for_gateway(commands["gateway"], args.http_port,
+                                     getattr(args, "ssl_client_certfile", None),
+                                     getattr(args, "ssl_client_keyfile", None))
     workers = []
     for role, port in (("prefill", args.prefill_port), ("decode", args.decode_port)):
         addr = f"127.0.0.1:{port}"
@@ -284,36 +294,125 @@ def _start_all(args, stack: Stack) -> tuple[Path, str]:
                                    lambda a=addr: health.grpc_serving(a)))
     for worker in workers:  # both load the model at the same time
         stack.wait_healthy(worker)
-    scheme = "https" if getattr(args, "ssl_certfile", None) else "http"
-    url = f"{scheme}://127.0.0.1:{args.http_port}/health"
-    headers = {}
-    if getattr(args, "protect_metrics", None):
+    stack.wait_healthy(stack.spawn("gateway", commands["gateway"], probe))
+    return model, redis_url, probe
+
+
+@dataclass(frozen=True)
+class GatewayProbe:
+    """How `up` asks its gateway whether the stack is ready: GET /health answers 200 and lists
+    a prefill and a decode worker. The probe speaks what the gateway's own command line asks
+    for (after --gateway-args): plain HTTP or TLS (the server's certificate is not checked: it
+    is our child on 127.0.0.1); under mutual TLS (--ssl-ca-certs) it presents a client
+    certificate, --ssl-client-certfile/--ssl-client-keyfile or else the server's own; with
+    --protect-metrics it sends one of the gateway's API keys.
+
+    A gateway that answers but refuses the probe (its certificate, its key) ends the wait at
+    once with SystemExit: waiting longer would not change the answer."""
+
+    url: str
+    headers: dict = field(default_factory=dict)
+    context: ssl.SSLContext | None = None
+    client_cert: tuple[str, str] | None = None      # (certfile, keyfile) under mutual TLS
+    keyed: bool = False                             # the gateway needs API keys
+
+    @classmethod
+    def for_gateway(cls, gateway_cmd: list[str], port: int, client_certfile: str | None = None,
+                    client_keyfile: str | None = None) -> "GatewayProbe":
+        """The probe of the gateway started with GATEWAY_CMD (python -m pdserve.cli gateway
+        ...); SystemExit when the client certificate is incomplete or does not load."""
         from gateway.auth import ApiKeys
-        key = ApiKeys.from_sources(None, getattr(args, "api_key_file", None)).first()
-        if key is not None:
-            headers["Authorization"] = "Bearer " + key
-    stack.wait_healthy(stack.spawn("gateway", commands["gateway"],
-                                   lambda: _gateway_sees_workers(url, headers)))
-    return model, redis_url
+
+        from pdserve.cli import role_parser
+
+        ns = role_parser("gateway").parse_args(gateway_cmd[len(CLI) + 1:])
+        keys = ApiKeys.from_sources(ns.api_key, ns.api_key_file)
+        headers = {"Authorization": "Bearer " + keys.first()} if (
+            ns.protect_metrics and keys.enabled) else {}
+        if bool(client_certfile) != bool(client_keyfile):
+            raise SystemExit("--ssl-client-certfile and --ssl-client-keyfile go together")
+        if client_certfile and not ns.ssl_ca_certs:
+            raise SystemExit("--ssl-client-certfile is the certificate pdserve up presents "
+                             "under mutual TLS: it needs --ssl-ca-certs")
+        if not ns.ssl_certfile:
+            return cls(f"http://127.0.0.1:{port}/health", headers, keyed=keys.enabled)
+        client = None
+        if ns.ssl_ca_certs:
+            client = ((client_certfile, client_keyfile) if client_certfile
+                      else (ns.ssl_certfile, ns.ssl_keyfile))
+        try:
+            context = health.unverified_context(*(client or ()))
+        except (ssl.SSLError, OSError) as exc:
+            raise SystemExit(f"cannot load the client certificate {client[0]} (key "
+                             f"{client[1]}): {exc}") from None
+        return cls(f"https://127.0.0.1:{port}/health", headers, context, client, keys.enabled)
+
+    @property
+    def base(self) -> str:
+        """The gateway's REST root."""
+        return self.url.removesuffix("/health")
+
+    def refusal(self) -> str | None:
+        """Why the gateway refuses the probe's certificate, or None when it does not (or does
+        not answer). Under TLS 1.3 the server checks the client's certificate after the
+        handshake has completed on the client's side and sends its alert then, which a client
+        writing its request meanwhile may never read; so: handshake, then only read. A server
+        that accepts the certificate waits for a request (the read times out); one that
+        refuses it sends an alert or closes the connection."""
+        try:
+            raw = socket.create_connection(("127.0.0.1", urllib.parse.urlsplit(self.url).port),
+                                           timeout=REFUSAL_WAIT_S)
+        except OSError:
+            return None
+        with raw:
+            try:
+                with self.context.wrap_socket(raw) as tls:
+                    data = tls.recv(1)
+            except ssl.SSLError as exc:             # e.g. SSLV3_ALERT_UNSUPPORTED_CERTIFICATE
+                return str(exc.reason or exc)
+            except ConnectionResetError:
+                return "the connection was reset after the handshake"
+            except OSError:                         # the read timed out: accepted
+                return None
+        return None if data else "the connection was closed after the handshake"
+
+    def __call__(self) -> bool:
+        try:
+            body = health.get_json(self.url, headers=self.headers, context=self.context)
+        except urllib.error.HTTPError as exc:
+            if exc.code == 401:
+                raise SystemExit("the gateway wants an API key on /health (--protect-metrics) "
+                                 "and pdserve up has none: give the keys in $PDSERVE_API_KEY "
+                                 "or --api-key-file") from None
+            return False
+        except (urllib.error.URLError, OSError, ValueError):
+            # No answer: not listening yet (cheap to ask again), or a refused handshake, which
+            # surfaces as whatever the request was doing when the server hung up.
+            if self.client_cert and (refused := self.refusal()):
+                raise SystemExit(
+                    f"the gateway refused the client certificate {self.client_cert[0]} "
+                    f"({refused}): under mutual TLS pdserve up probes its gateway with "
+                    "--ssl-client-certfile/--ssl-client-keyfile, else with the server's own "
+                    "certificate, which --ssl-ca-certs must then have signed for client "
+                    "authentication (extendedKeyUsage clientAuth, or none)") from None
+            return False
+        workers = body.get("workers", {}) if isinstance(body, dict) else {}
+        return workers.get("prefill", 0) >= 1 and workers.get("decode", 0) >= 1
 
 
-def _gateway_sees_workers(url: str, headers: dict | None = None) -> bool:
-    """GET /health is 200 and the gateway has found a prefill and a decode worker in Redis."""
-    workers = (health.http_json(url, headers=headers, verify=False) or {}).get("workers", {})
-    return workers.get("prefill", 0) >= 1 and workers.get("decode", 0) >= 1
-
-
-def _banner(args, model: Path, redis_url: str) -> str:
+def _banner(args, model: Path, redis_url: str, probe: GatewayProbe) -> str:
     from pdserve.registry import redacted
 
     name = args.served_model_name or model.name
-    tls = bool(getattr(args, "ssl_certfile", None))
-    base = f"{'https' if tls else 'http'}://127.0.0.1:{args.http_port}"
-    from gateway.auth import ApiKeys
-    keyed = ApiKeys.from_sources(None, getattr(args, "api_key_file", None)).enabled
-    extra = (" -H 'Authorization: Bearer $KEY'" if keyed else "") + (" -k" if tls else "")
+    tls = probe.context is not None
+    base = probe.base
+    extra = ((" -H 'Authorization: Bearer $KEY'" if probe.keyed else "") + (" -k" if tls else "")
+             + (f" --cert {probe.client_cert[0]} --key {probe.client_cert[1]}"
+                if probe.client_cert else ""))
+    how = ((" (API keys required)" if probe.keyed else "")
+           + (" over mutual TLS" if probe.client_cert else " over TLS" if tls else ""))
     return f"""
-pdserve is up: {name}{' (API keys required)' if keyed else ''}{' over TLS' if tls else ''}
+pdserve is up: {name}{how}
   REST (OpenAI-compatible)  {base}/v1
   gRPC (pdserve.v1.Generation)  127.0.0.1:{args.grpc_port}
   workers  prefill 127.0.0.1:{args.prefill_port}, decode 127.0.0.1:{args.decode_port}
@@ -337,8 +436,8 @@ def main(args) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     stack = Stack()
     try:
-        model, redis_url = _start_all(args, stack)
-        print(_banner(args, model, redis_url), flush=True)
+        model, redis_url, probe = _start_all(args, stack)
+        print(_banner(args, model, redis_url, probe), flush=True)
         while (dead := stack.first_dead()) is None:
             time.sleep(POLL_S)
         log.error("%s exited with code %s; stopping the stack", dead.name, dead.proc.returncode)
