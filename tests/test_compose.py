@@ -289,17 +289,17 @@ def test_gpu8_gateway_model_redis_reserve_no_gpu(gpu8, normalized):
     _check_non_workers(gpu8, normalized)
 
 
-def test_gpu_tp_workers_split_over_four_gpus_each(gpu_tp, normalized):
-    """Prefill ranks on GPUs 0-3, decode ranks on 4-7, KV over NCCL (NIXL cannot write a pool
+def test_gpu_tp_workers_split_over_three_gpus_each(gpu_tp, normalized):
+    """Prefill ranks on GPUs 0-2, decode ranks on 3-5, KV over NCCL (NIXL cannot write a pool
     spread over ranks)."""
     services = gpu_tp["services"]
     assert set(services) == BASE_SERVICES
-    for role, first in (("prefill", 0), ("decode", 4)):
+    for role, first in (("prefill", 0), ("decode", 3)):
         svc = services[role]
-        _check_gpu_worker(svc, [str(i) for i in range(8)])
+        _check_gpu_worker(svc, [str(i) for i in range(6)])
         base = gpu_worker_command(role, role, first)
         base[base.index("--kv-transport") + 1] = "torch"
-        assert svc["command"] == base + ["--tensor-parallel-size", "4"]
+        assert svc["command"] == base + ["--tensor-parallel-size", "3"]
     _check_non_workers(gpu_tp, normalized)
 
 
@@ -315,6 +315,64 @@ def test_gpu_overrides_only_add_gpu_settings(variant, normalized, request):
         for key in set(cpu) - {"image", "build", "command"}:
             assert gpu[key] == cpu[key], (role, key)
         assert gpu["command"][:len(cpu["command"])] == cpu["command"]
+
+
+# --------------------------------------------------------------------------- what the workers load
+
+# Every compose file, as it is used: alone (the CPU stack) or over docker-compose.yml.
+STACKS = {"cpu": (COMPOSE,), "gpu2": (COMPOSE, GPU2), "gpu8": (COMPOSE, GPU8),
+          "gpu_tp": (COMPOSE, GPU_TP)}
+
+
+def test_every_compose_file_is_checked():
+    assert set(ROOT.glob("docker-compose*.yml")) == {f for fs in STACKS.values() for f in fs}
+
+
+def _services(files: tuple[Path, ...]) -> dict:
+    """The services of FILES merged as compose does for what the checks below read: an
+    override's command and deploy replace the base's (none of the base's services has a
+    deploy), an override's new services are added."""
+    services: dict = {}
+    for f in files:
+        for name, svc in yaml.safe_load(f.read_text())["services"].items():
+            services[name] = {**services.get(name, {}), **svc}
+    return services
+
+
+@pytest.mark.parametrize("stack", STACKS)
+def test_every_worker_can_split_its_model_as_its_command_says(stack, model_dir):
+    """Each worker's command, read by that worker's own parser: its model is the one the
+    `model` service fetches (the default model, fetched here too), its tensor-parallel size
+    passes the check a worker makes at start (engine.parallel.check_split) on that model's
+    config.json, and on GPUs its ranks (--device and the size - 1 GPUs after it) are GPUs its
+    service reserves, none shared with another worker."""
+    from engine.config import ModelConfig
+    from engine.parallel import check_split
+    from pdserve.cli import role_parser
+
+    services = _services(STACKS[stack])
+    fetched = _flag(services["model"]["command"], "--dest")
+    assert Path(fetched).name == model_dir.name         # `model fetch` gets the default model
+    config = ModelConfig.from_dir(model_dir)
+    owner: dict[int, str] = {}
+    workers = [(name, svc) for name, svc in services.items()
+               if (svc.get("command") or [""])[0] in ("prefill", "decode")]
+    assert {svc["command"][0] for _, svc in workers} == {"prefill", "decode"}
+    for name, svc in workers:
+        args = role_parser(svc["command"][0]).parse_args(svc["command"][1:])
+        assert args.model == fetched, f"{name} serves {args.model}, which nothing fetches"
+        check_split(config, args.tensor_parallel_size)  # ValueError: what does not split
+        if not args.device.startswith("cuda"):
+            assert "deploy" not in svc
+            continue
+        first = int(args.device.partition(":")[2] or 0)
+        ranks = range(first, first + args.tensor_parallel_size)
+        reserved = {int(d) for d in
+                    svc["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]}
+        assert set(ranks) <= reserved, (name, list(ranks), sorted(reserved))
+        for gpu in ranks:
+            assert gpu not in owner, f"GPU {gpu}: {owner.get(gpu)} and {name}"
+            owner[gpu] = name
 
 
 # --------------------------------------------------------------------------- the image
