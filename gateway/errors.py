@@ -46,12 +46,19 @@ class GatewayError(Exception):
         return {"Retry-After": str(max(1, int(-(-self.retry_after // 1))))}
 
     def body(self) -> dict:
-        """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+        """OpenAI's error body: {"error": {"message", "type", "param", "code"}}; always
+        encodable (a lone surrogate quoted from the request is written as an escape)."""
+        return {"error": {"message": printable(self.message), "type": self.type,
+                          "param": None if self.param is None else printable(self.param),
                           "code": self.code}}
 
     def grpc_code(self) -> grpc.StatusCode:
         return _GRPC_CODES.get(self.status, grpc.StatusCode.INTERNAL)
+
+
+def printable(text: str) -> str:
+    """TEXT with any lone surrogate written as a \\udXXX escape: always UTF-8 encodable."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def bad_request(message: str, param: str | None = None) -> GatewayError:

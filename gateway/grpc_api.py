@@ -1,8 +1,9 @@
 """The public gRPC API: `pdserve.v1.Generation/Generate` (server streaming) and grpc.health.v1.
 
 Validation is the REST API's (params.RequestPreparer), mapped to status codes: INVALID_ARGUMENT
-for bad input (same messages), NOT_FOUND for an unknown model, UNAVAILABLE when no worker is
-registered or one is unreachable.
+for bad input (same messages; a message the proto parser refuses, e.g. a string that is not
+UTF-8, too), NOT_FOUND for an unknown model, UNAVAILABLE when no worker is registered or one is
+unreachable.
 
 Proto3 scalars cannot be "unset", so in SamplingParams: temperature 0 means greedy (the default
 of an empty message), top_p 0 means 1 (off), top_k 0 means off; max_tokens must be set (>= 1);
@@ -24,6 +25,7 @@ from gateway.errors import GatewayError, bad_request
 from gateway.limits import InFlight
 from gateway.params import PreparedRequest, Prompt, RawParams, RequestPreparer, Structured
 from gateway.pipeline import Delta, Pipeline
+from gateway.wire import Undecodable, parse_lenient
 from proto import pdserve_pb2, pdserve_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -104,6 +106,10 @@ class GenerationServicer(pdserve_pb2_grpc.GenerationServicer):
         self.admission = admission or InFlight(0)
 
     async def Generate(self, request, context):
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request is not a "
+                                "GenerateRequest the proto parser accepts (string fields must "
+                                f"be UTF-8): {request.reason}")
         try:
             slots = self.admission.take()         # before any work: 429s come at once
         except GatewayError as err:
@@ -150,9 +156,15 @@ async def abort(context, err: GatewayError) -> None:
 async def add_services(server: grpc.aio.Server, preparer: RequestPreparer,
                        pipeline: Pipeline, admission: InFlight | None = None
                        ) -> health.aio.HealthServicer:
-    """Register Generation and the health service (SERVING for "" and Generation)."""
-    pdserve_pb2_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(preparer, pipeline, admission), server)
+    """Register Generation and the health service (SERVING for "" and Generation). Generation's
+    requests are parsed leniently (wire.parse_lenient): an undecodable one is INVALID_ARGUMENT."""
+    servicer = GenerationServicer(preparer, pipeline, admission)
+    handlers = {"Generate": grpc.unary_stream_rpc_method_handler(
+        servicer.Generate, request_deserializer=parse_lenient(pdserve_pb2.GenerateRequest),
+        response_serializer=pdserve_pb2.GenerateResponse.SerializeToString)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME,
+                                                                          handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in ("", SERVICE_NAME):

@@ -8,7 +8,8 @@ cannot hold the event loop that serves every other stream.
 `InFlight`: at most `--max-in-flight` requests (prompts of a batch count one each) are served
 at once; one more gets a 429 with Retry-After at once instead of a long wait and a timeout.
 Workers bound their own queues the same way (RESOURCE_EXHAUSTED, which reaches the client as a
-429 too).
+429 too). A batch of more prompts than the bound could never be admitted: a 400 naming the flag,
+not a 429 that invites retrying it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,13 @@ class InFlight:
         self.retry_after_s = retry_after_s
 
     def take(self, n: int = 1) -> Slots:
-        """n slots, or GatewayError 429 (Retry-After) when fewer are free."""
+        """n slots (a request's prompts), or GatewayError: 429 (Retry-After) when fewer are
+        free, 400 when the bound is below n (no wait would help)."""
+        if self.limit and n > self.limit:
+            raise GatewayError(f"this request has {n} prompts and each is served as a request "
+                               f"of its own; the gateway serves at most {self.limit} at once "
+                               f"(--max-in-flight {self.limit}): send at most {self.limit} "
+                               "prompts per request", status=400, param="prompt")
         if self.limit and self.used + n > self.limit:
             if self.metrics is not None:
                 self.metrics.overloaded.inc()

@@ -159,11 +159,15 @@ async def _merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int
 
 def _prompt_count(body: CompletionRequest | ChatCompletionRequest) -> int:
     """The requests a body makes (a list of prompts: one each), without tokenizing anything;
-    at least 1, at most one more than the bound on prompts (a longer list is refused)."""
+    GatewayError 400 past MAX_BATCH_PROMPTS."""
     prompt = getattr(body, "prompt", None)
+    count = 1
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        return min(len(prompt), MAX_BATCH_PROMPTS + 1)
-    return 1
+        count = len(prompt)
+    if count > MAX_BATCH_PROMPTS:
+        raise bad_request(f"at most {MAX_BATCH_PROMPTS} prompts per request, got {count}",
+                          "prompt")
+    return count
 
 
 class OpenAIServer:
@@ -184,9 +188,6 @@ class OpenAIServer:
             prompts, raw = body.to_shared(plan)
         else:
             prompts, raw = body.to_shared()
-        if len(prompts) > MAX_BATCH_PROMPTS:
-            raise bad_request(f"at most {MAX_BATCH_PROMPTS} prompts per request, got "
-                              f"{len(prompts)}", "prompt")
         rid = uuid.uuid4().hex
         prepared = [self.preparer.prepare(p, raw, body.model,
                                           rid if len(prompts) == 1 else f"{rid}-{i}")

@@ -14,6 +14,7 @@ from typing import Literal, Sequence
 
 from gateway.errors import GatewayError, bad_request
 from gateway.tokenizer import ChatTemplateError, Tokenizer
+from gateway.wire import check_ints
 from proto import pdserve_pb2
 
 MAX_STOP_STRINGS = 16
@@ -240,6 +241,7 @@ def _check_sampling(raw: RawParams) -> None:
                           "logprobs, which pdserve does not compute); drop one of them", "echo")
     if raw.structured is not None:
         _check_structured(raw.structured)
+    check_ints(raw, {"max_tokens": raw.max_tokens_param})
 
 
 def _check_structured(st: Structured) -> None:

@@ -20,13 +20,15 @@ import json
 from dataclasses import replace
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, model_validator
+from pydantic_core import PydanticCustomError
 
 from gateway.errors import GatewayError, bad_request
 from gateway.params import (MAX_CACHE_SALT, MAX_CHOICES, MAX_LOGIT_BIAS, MAX_N,
                             MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_STRUCTURED_CHARS,
                             MAX_TOP_LOGPROBS, SEED_LIMIT, Prompt, RawParams, Structured)
 from gateway.tools import check_tools
+from gateway.wire import bad_text
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -48,6 +50,20 @@ class _Strict(BaseModel):
     number, no "1" for an integer, no 0 for a bool)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class RequestBody(_Strict):
+    """A whole request body. Before any field is read, every string in it (object keys too)
+    must be valid Unicode: the error names the first one that is not (see wire.bad_text)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        bad = bad_text(data)
+        if bad is not None:
+            raise PydanticCustomError("invalid_unicode", "{message}",
+                                      {"message": bad.message, "param": bad.param})
+        return data
 
 
 # The OpenAPI schema (/openapi.json) states the bounds that params.py and tools.py check, so
@@ -252,7 +268,7 @@ class ResponseFormat(_Strict):
         return Structured("json_schema", json.dumps(self.json_schema.schema_, ensure_ascii=False))
 
 
-class _CommonRequest(_Strict):
+class _CommonRequest(RequestBody):
     model: str | None = None
     max_tokens: Integer | None = _bounded(minimum=1)      # and prompt + max_tokens <= the context
     temperature: float | None = _bounded(minimum=0, maximum=2)
@@ -470,6 +486,8 @@ def validation_error(errors: list[dict]) -> GatewayError:
     loc = _loc(err)
     param = ".".join(loc) or None
     kind = err.get("type", "")
+    if kind == "invalid_unicode":
+        return bad_request(err["ctx"]["message"], err["ctx"]["param"])
     if kind == "json_invalid":
         detail = (err.get("ctx") or {}).get("error", "")
         return bad_request(f"the request body is not valid JSON: {detail}".rstrip(": "))

@@ -15,11 +15,11 @@ from typing import Any, TypeVar
 
 from fastapi import Body, FastAPI
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from gateway.errors import GatewayError, bad_request
 from gateway.params import RequestPreparer
-from gateway.protocol import ChatMessage, TokenId, validation_error
+from gateway.protocol import ChatMessage, RequestBody, TokenId, validation_error
 from gateway.tokenizer import ChatTemplateError
 
 FALLBACK_VERSION = "0.1.0"
@@ -27,11 +27,7 @@ FALLBACK_VERSION = "0.1.0"
 M = TypeVar("M", bound=BaseModel)
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class _TokenizeBase(_Strict):
+class _TokenizeBase(RequestBody):
     model: str | None = None
     return_token_strs: bool = False
 
@@ -47,7 +43,7 @@ class TokenizeChatRequest(_TokenizeBase):
     add_special_tokens: bool = False      # the chat template already holds them
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[TokenId] = Field(json_schema_extra={"items": {"type": "integer",
                                                                "minimum": 0}})

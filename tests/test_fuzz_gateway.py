@@ -6,7 +6,9 @@ Every operation of /openapi.json gets schemathesis-generated requests, ones the 
 generation. Whatever comes in: no 5xx, every error body is OpenAI's ({"error": {"message",
 "type", "param", "code"}}), a refused request is a 4xx, a streamed error is such a body too;
 and afterwards the gateway answers a normal completion exactly as before and both workers are
-idle with every KV block free.
+idle with every KV block free. Inputs the schema cannot make (lone surrogates, integers past
+their wire type, gRPC strings that are not UTF-8) are sent by hand: each is refused naming the
+field, and a request after it is served.
 
 Bounded for CI: the gateway serves a 64-token context (so an output is at most that), generated
 requests ask for at most a few tokens, choices and prompts (`_small`), and every operation gets
@@ -30,6 +32,8 @@ from schemathesis import GenerationMode
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from tests.stack import standard_stack, wait_until
+from tests.test_gateway_grpc import _undecodable
+from tests.test_gateway_validation import BAD_TEXT, OUT_OF_RANGE, post_json
 
 pytestmark = pytest.mark.slow
 
@@ -279,6 +283,39 @@ def test_stateful_token_ids_travel_between_endpoints(base, before, model_dir):
         max_examples=12, stateful_step_count=8, deadline=None, derandomize=True,
         database=None, phases=[Phase.explicit, Phase.generate],
         suppress_health_check=list(HealthCheck)))
+
+
+# Inputs a schema-driven fuzzer does not make (its strings are valid Unicode, its integers are
+# within what the schema states): each is a 400 naming the field, and a request after it is
+# served.
+HIDDEN = [(path, body, param, f"{path}:{param}") for path, body, param in BAD_TEXT] + [
+    ("/v1/completions", {"prompt": "Hi", "top_k": 2 ** 31}, "top_k", "top_k=2^31"),
+    *OUT_OF_RANGE]
+SMALL = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0,
+         "ignore_eos": True}
+
+
+@pytest.mark.parametrize("path,body,param", [h[:3] for h in HIDDEN], ids=[h[3] for h in HIDDEN])
+def test_hidden_inputs_are_400s_naming_the_field_and_serving_goes_on(http, before, path, body,
+                                                                      param):
+    r = post_json(http, path, body)
+    assert_served(r.status_code, r.headers.get("content-type", ""), r.text, refused=True)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = http.post("/v1/completions", json=SMALL)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+
+
+def test_grpc_text_that_is_not_utf8_is_invalid_argument_and_serving_goes_on(stack, before):
+    with grpc.insecure_channel(stack.procs[-1].address) as ch:
+        raw = ch.unary_stream("/pdserve.v1.Generation/Generate")
+        with pytest.raises(grpc.RpcError) as e:
+            list(raw(_undecodable(b"\xed\xa0\x80"), timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+        assert "UTF-8" in e.value.details()
+        good = pb.GenerateRequest(text="Hello", params=pb.SamplingParams(max_tokens=2,
+                                                                         ignore_eos=True))
+        out = list(pb_grpc.GenerationStub(ch).Generate(good, timeout=60))
+    assert out[-1].finish_reason == "length" and out[-1].usage.completion_tokens == 2
 
 
 def _stats(stack, role: str) -> pb.WorkerStats:

@@ -15,6 +15,7 @@ from gateway.params import RequestPreparer, ServedModel
 from gateway.pipeline import Pipeline
 from gateway.router import Router
 from gateway.tokenizer import Tokenizer
+from gateway.wire import sampling_int_fields
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
@@ -27,8 +28,9 @@ def preparer(model_dir):
     return RequestPreparer(Tokenizer(model_dir), ServedModel(MODEL, 64))
 
 
-async def _generate_errors(preparer, requests: list[pb.GenerateRequest]):
-    """Run a real grpc.aio server; return (code, details) of each request, health statuses."""
+async def _generate_errors(preparer, requests: list[pb.GenerateRequest | bytes]):
+    """Run a real grpc.aio server; return (code, details) of each request (a message, or bytes
+    sent as they are), health statuses."""
     router = Router(NOWHERE)
     server = grpc.aio.server()
     await add_services(server, preparer, Pipeline(router, preparer.tokenizer))
@@ -37,10 +39,12 @@ async def _generate_errors(preparer, requests: list[pb.GenerateRequest]):
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.GenerationStub(channel)
+            raw = channel.unary_stream(f"/{SERVICE_NAME}/Generate")
             out = []
             for req in requests:
                 with pytest.raises(grpc.aio.AioRpcError) as info:
-                    async for _ in stub.Generate(req, timeout=10):
+                    async for _ in (raw if isinstance(req, bytes) else stub.Generate)(
+                            req, timeout=10):
                         pass
                 out.append((info.value.code(), info.value.details()))
             health = health_pb2_grpc.HealthStub(channel)
@@ -99,3 +103,52 @@ def test_generate_validation_matches_rest(preparer):
                 assert details == rest_msg
     assert "no decode worker is available" in results[-1][1]
     assert "messages must not be empty" in results[-4][1]
+
+
+def _undecodable(text: bytes) -> bytes:
+    """A GenerateRequest whose prompt text is TEXT's bytes as they are (a client library
+    refuses to encode a string that is not UTF-8; the wire does not)."""
+    wire = _req(text="PLACEHOLDER").SerializeToString()
+    assert wire.count(b"\x12\x0bPLACEHOLDER") == 1 and len(text) <= 127   # field 2, 11 bytes
+    return wire.replace(b"\x12\x0bPLACEHOLDER", b"\x12" + bytes([len(text)]) + text)
+
+
+def test_a_string_that_is_not_utf8_is_invalid_argument_and_serving_goes_on(preparer):
+    """The proto parser refuses it (a lone surrogate's bytes, or any non-UTF-8): the servicer
+    answers INVALID_ARGUMENT with the reason, not grpc's UNKNOWN; the next request is served
+    (UNAVAILABLE: no worker here) and health stays SERVING."""
+    bad = [_undecodable(b"\xed\xa0\x80"), _undecodable(b"ok \xff"), b"\xff\xff\xff"]
+    results, statuses = asyncio.run(_generate_errors(preparer, [*bad, _req()]))
+    for code, details in results[:2]:
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+        assert "UTF-8" in details and "GenerateRequest" in details
+    assert results[2][0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert results[3][0] == grpc.StatusCode.UNAVAILABLE, results[3]
+    assert statuses == [health_pb2.HealthCheckResponse.SERVING] * 2
+
+
+def _at_bounds() -> list[tuple[str, int]]:
+    """Every integer field of SamplingParams at its wire type's least and greatest value."""
+    return [(name, v) for name, (_, lo, hi) in sampling_int_fields().items() for v in (lo, hi)]
+
+
+def test_integers_at_their_wire_bounds_are_checked_not_internal_errors(preparer):
+    """gRPC integers cannot leave their type (the parser truncates a varint to the field's
+    width), so the bounds of each type are the extreme inputs: each is INVALID_ARGUMENT or
+    passes validation (UNAVAILABLE: no worker), never UNKNOWN or INTERNAL."""
+    def request(name: str, v: int) -> pb.GenerateRequest:
+        params = pb.SamplingParams(max_tokens=4)
+        field = getattr(params, name)
+        if isinstance(field, int):
+            setattr(params, name, v)
+        else:
+            field.append(v)
+        return _req(params)
+    cases = _at_bounds()
+    results, _ = asyncio.run(_generate_errors(preparer, [request(*c) for c in cases]))
+    for (name, v), (code, details) in zip(cases, results):
+        assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE), \
+            (name, v, code, details)
+    got = dict(zip(cases, (c for c, _ in results)))
+    assert got[("top_k", 2 ** 31 - 1)] == grpc.StatusCode.UNAVAILABLE      # off past the vocab
+    assert got[("top_k", -2 ** 31)] == grpc.StatusCode.INVALID_ARGUMENT

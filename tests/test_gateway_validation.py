@@ -1,17 +1,25 @@
 """Request validation of the REST front door: every bad input is a 400 (404 for an unknown model)
 with an OpenAI error body, and never reaches a worker (there are none here: a valid request gets
-503 "no decode worker is available")."""
+503 "no decode worker is available"). Hidden inputs too, those a schema-driven fuzzer does not
+make: strings that are not valid Unicode anywhere in a body, every integer field past its wire
+type's bounds, a batch larger than --max-in-flight; after each the app still serves."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from fastapi.testclient import TestClient
 
+from gateway.errors import GatewayError
+from gateway.limits import InFlight
 from gateway.openai_api import create_app
 from gateway.params import Prompt, RawParams, RequestPreparer, ServedModel
 from gateway.pipeline import Pipeline
 from gateway.router import Router
 from gateway.tokenizer import Tokenizer
+from gateway.wire import int_type, sampling_int_fields
+from proto import pdserve_pb2 as pb
 
 MODEL = "smol-test"
 MAX_LEN = 64
@@ -202,8 +210,6 @@ def test_models_health_and_unknown_routes(client):
 def test_a_clients_request_id_is_metadata_only(preparer):
     """Workers know a request by the gateway's id: two clients giving the same id (or one
     naming another request's choice, "abc#1") cannot collide there."""
-    from gateway.errors import GatewayError
-
     a = preparer.prepare(Prompt(text="x"), RawParams(), client_request_id="abc#1")
     b = preparer.prepare(Prompt(text="x"), RawParams(), client_request_id="abc#1")
     assert a.request_id != b.request_id and "#" not in a.request_id
@@ -230,3 +236,206 @@ def test_defaults_like_vllm(preparer):
     fixed = preparer.prepare(Prompt(token_ids=(1, 2)), RawParams(seed=7, top_k=-1, stop=("a",)))
     assert (fixed.params.seed, fixed.params.top_k, fixed.params.stop) == (7, 0, ("a",))
     assert fixed.request_id != text.request_id
+
+
+# ------------------------------------------------------------- hidden inputs: text and integers
+# Bodies without "model" (the served one), so the real-stack suite (test_fuzz_gateway) sends
+# them too. JSON escapes spell the lone surrogates: the client's encoder cannot hold one.
+LONE = "\ud800"
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+BAD_TEXT = [
+    ("/v1/completions", {"prompt": LONE}, "prompt"),
+    ("/v1/completions", {"prompt": "ok " + "\udfff" + " ok"}, "prompt"),
+    ("/v1/completions", {"prompt": ["fine", "x" + LONE]}, "prompt[1]"),
+    ("/v1/completions", {"prompt": "Hi", "stop": LONE}, "stop"),
+    ("/v1/completions", {"prompt": "Hi", "stop": ["a", LONE]}, "stop[1]"),
+    ("/v1/completions", {"prompt": "Hi", "user": LONE}, "user"),
+    ("/v1/completions", {"prompt": "Hi", "cache_salt": LONE}, "cache_salt"),
+    ("/v1/completions", {"prompt": "Hi", "model": LONE}, "model"),
+    ("/v1/completions", {"prompt": "Hi", "suffix": LONE}, "suffix"),
+    ("/v1/completions", {"prompt": "Hi", "logit_bias": {LONE: 1}}, "logit_bias.\\ud800"),
+    ("/v1/completions", {"prompt": "Hi", LONE: 1}, "\\ud800"),
+    ("/v1/completions", {"prompt": "Hi", "structured_outputs": {"regex": LONE}},
+     "structured_outputs.regex"),
+    ("/v1/completions", {"prompt": "Hi", "structured_outputs": {"choice": ["a", LONE]}},
+     "structured_outputs.choice[1]"),
+    ("/v1/completions", {"prompt": "Hi", "structured_outputs": {"json": {"enum": [LONE]}}},
+     "structured_outputs.json.enum[0]"),
+    ("/v1/completions", {"prompt": "Hi", "guided_json": {"type": "string", "pattern": LONE}},
+     "guided_json.pattern"),
+    ("/v1/completions", {"prompt": "Hi", "guided_grammar": LONE}, "guided_grammar"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONE}]},
+     "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"},
+                                     {"type": "text", "text": LONE}]}]},
+     "messages[0].content[1].text"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi", "name": LONE}]},
+     "messages[0].name"),
+    ("/v1/chat/completions", {"messages": [{"role": LONE, "content": "Hi"}]}, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": LONE}}]},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"}]},
+     "messages[1].tool_calls[0].function.arguments"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x",
+                                            "tool_call_id": LONE}]},
+     "messages[0].tool_call_id"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "stop": [LONE]},
+     "stop[0]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "tools": [
+        {"type": "function", "function": {"name": "f", "description": LONE}}]},
+     "tools[0].function.description"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {LONE: {"type": "string"}}}}}]},
+     "tools[0].function.parameters.properties.\\ud800"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "tools": [_TOOL],
+                              "tool_choice": {"type": "function", "function": {"name": LONE}}},
+     "tool_choice.function.name"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                              "response_format": {"type": "json_schema", "json_schema": {
+                                  "name": "x", "schema": {"const": LONE}}}},
+     "response_format.json_schema.schema.const"),
+    ("/tokenize", {"prompt": LONE}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": LONE}]}, "messages[0].content"),
+    ("/detokenize", {"tokens": [1], "model": LONE}, "model"),
+]
+
+
+def post_json(client, path: str, body: object):
+    """BODY as JSON with every non-ASCII character escaped (lone surrogates as \\udXXX)."""
+    return client.post(path, content=json.dumps(body).encode("ascii"),
+                       headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize("path,body,param", BAD_TEXT, ids=[p for _, _, p in BAD_TEXT])
+def test_text_that_is_not_unicode_is_a_400_naming_the_field(client, path, body, param):
+    err = _assert_error(post_json(client, path, body), 400, param, "not valid Unicode")
+    assert "lone surrogate" in err["message"]
+    assert client.post("/tokenize", json={"prompt": "Hi"}).status_code == 200    # still serving
+
+
+@pytest.mark.parametrize("raw", [b'"\xed\xa0\x80"', b'"ok \xed\xb0\x80"',
+                                 b'"\xed\xa0\xbd\xed\xb8\x80"'])   # surrogates, as UTF-8-like
+def test_surrogates_as_raw_bytes_are_400_too(client, raw):
+    r = client.post("/v1/completions", content=b'{"prompt": ' + raw + b'}',
+                    headers={"content-type": "application/json"})
+    _assert_error(r, 400, "prompt", "not valid Unicode")
+
+
+def test_an_error_body_always_encodes():
+    body = GatewayError("bad \ud800 text", param="k\udfff").body()
+    assert json.dumps(body, ensure_ascii=False).encode("utf-8")
+    assert body["error"]["message"] == "bad \\ud800 text" and body["error"]["param"] == "k\\udfff"
+
+
+def test_a_body_that_is_not_utf8_at_all_is_400(client):
+    r = client.post("/v1/completions", content=b'{"prompt": "\xff\xfe"}',
+                    headers={"content-type": "application/json"})
+    _assert_error(r, 400)
+
+
+# (type, least, greatest) of logit_bias' keys and of a prompt's token ids
+_LOGIT_BIAS_KEY = int_type(pb.SamplingParams.DESCRIPTOR.fields_by_name["logit_bias"]
+                           .message_type.fields_by_name["key"])
+_IDS = int_type(pb.TokenIds.DESCRIPTOR.fields_by_name["ids"])
+
+
+def _int_cases() -> list[tuple[str, str, object, str]]:
+    """(path, SamplingParams field it travels in, a function of the value to a body, param)."""
+    chat = {"messages": [{"role": "user", "content": "Hi"}]}
+    return [
+        ("/v1/completions", "top_k", lambda v: {"prompt": "Hi", "top_k": v}, "top_k"),
+        ("/v1/chat/completions", "top_k", lambda v: {**chat, "top_k": v}, "top_k"),
+        ("/v1/completions", "seed", lambda v: {"prompt": "Hi", "seed": v}, "seed"),
+        ("/v1/completions", "max_tokens", lambda v: {"prompt": "Hi", "max_tokens": v},
+         "max_tokens"),
+        ("/v1/chat/completions", "max_tokens", lambda v: {**chat, "max_completion_tokens": v},
+         "max_completion_tokens"),
+        ("/v1/chat/completions", "max_tokens", lambda v: {**chat, "max_tokens": v},
+         "max_tokens"),
+        ("/v1/completions", "top_logprobs", lambda v: {"prompt": "Hi", "logprobs": v},
+         "logprobs"),
+        ("/v1/chat/completions", "top_logprobs",
+         lambda v: {**chat, "logprobs": True, "top_logprobs": v}, "top_logprobs"),
+        ("/v1/completions", "min_tokens", lambda v: {"prompt": "Hi", "min_tokens": v},
+         "min_tokens"),
+        ("/v1/completions", "stop_token_ids", lambda v: {"prompt": "Hi", "stop_token_ids": [v]},
+         "stop_token_ids"),
+        ("/v1/completions", "n", lambda v: {"prompt": "Hi", "n": v}, "n"),
+        ("/v1/chat/completions", "n", lambda v: {**chat, "n": v, "best_of": v}, "n"),
+    ]
+
+
+INT_CASES = _int_cases()
+
+
+def test_every_integer_sampling_field_has_its_bound_cases():
+    assert {field for _, field, _, _ in INT_CASES} == set(sampling_int_fields())
+
+
+def out_of_range_bodies() -> list[tuple[str, object, str, str]]:
+    """(path, body, param, case id): every integer field at its wire type's max + 1 and
+    min - 1 (REST integers are unbounded JSON numbers), token ids too."""
+    out = []
+    for path, field, body, param in INT_CASES:
+        _, lo, hi = sampling_int_fields()[field]
+        for v in (hi + 1, lo - 1):
+            out.append((path, body(v), param, f"{path}:{param}={v}"))
+    for v in (_LOGIT_BIAS_KEY[2] + 1, _LOGIT_BIAS_KEY[1] - 1):
+        out.append(("/v1/completions", {"prompt": "Hi", "logit_bias": {str(v): 1}},
+                    "logit_bias", f"logit_bias[{v}]"))
+    for v in (_IDS[2] + 1, _IDS[1] - 1):
+        out += [("/v1/completions", {"prompt": [1, v]}, "prompt", f"prompt=[1, {v}]"),
+                ("/v1/completions", {"prompt": [[1], [v]]}, "prompt", f"prompt=[[1], [{v}]]"),
+                ("/detokenize", {"tokens": [v]}, "tokens", f"detokenize {v}")]
+    return out
+
+
+OUT_OF_RANGE = out_of_range_bodies()
+
+
+@pytest.mark.parametrize("path,body,param", [c[:3] for c in OUT_OF_RANGE],
+                         ids=[c[3] for c in OUT_OF_RANGE])
+def test_integers_beyond_their_wire_type_are_400s_naming_the_field(client, path, body, param):
+    _assert_error(client.post(path, json=body), 400, param)
+    assert client.post("/tokenize", json={"prompt": "Hi"}).status_code == 200
+
+
+def test_top_k_of_2_to_the_31_names_its_wire_type(client):
+    err = _assert_error(client.post("/v1/completions", json=_completion(top_k=2 ** 31)), 400,
+                        "top_k", "at most 2147483647")
+    assert "int32" in err["message"]
+    _assert_error(client.post("/v1/completions", json=_completion(top_k=2 ** 31 - 1)), 503)
+
+
+# ----------------------------------------------------------------------- the in-flight bound
+
+@pytest.fixture
+def bounded(preparer):
+    """An app admitting 2 requests at once (--max-in-flight 2), and its InFlight."""
+    router = Router(NOWHERE)
+    admission = InFlight(2)
+    with TestClient(create_app(preparer, Pipeline(router, preparer.tokenizer), router,
+                               admission)) as c:
+        yield c, admission
+
+
+def test_a_batch_larger_than_max_in_flight_is_a_400_naming_the_flag(bounded):
+    client, admission = bounded
+    r = client.post("/v1/completions", json=_completion(prompt=["a", "b", "c"]))
+    err = _assert_error(r, 400, "prompt", "--max-in-flight 2")
+    assert "3 prompts" in err["message"] and "retry-after" not in r.headers
+    assert admission.used == 0
+    # what fits is admitted (no worker here: 503), and the slots come back
+    _assert_error(client.post("/v1/completions", json=_completion(prompt=["a", "b"])), 503)
+    assert admission.used == 0
+    # a bound that is merely full now is still a retryable 429
+    held = admission.take(2)
+    r = client.post("/v1/completions", json=_completion())
+    held.release()
+    assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+    _assert_error(client.post("/v1/completions", json=_completion(prompt=["x"] * 65)), 400,
+                  "prompt", "at most 64 prompts")
