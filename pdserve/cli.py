@@ -241,7 +241,8 @@ def _add_gateway(p: argparse.ArgumentParser) -> None:
                                      "is read or parsed (0: no bound; default: 8 MiB)")
     p.add_argument("--max-in-flight", type=_non_negative_int, default=1024, metavar="N",
                    help="requests served at once (each prompt of a batch counts); one more gets "
-                        "429 with Retry-After at once (0: no bound; default: 1024)")
+                        "429 with Retry-After at once, a batch of more than N prompts a 400 "
+                        "(0: no bound; default: 1024)")
     auth = p.add_argument_group("authentication and TLS")
     auth.add_argument("--api-key", action="append", default=None, metavar="KEY",
                       help="a key clients must send (REST: Authorization: Bearer KEY; gRPC: "
