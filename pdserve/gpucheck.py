@@ -3,8 +3,9 @@
 Needs only torch, triton, transformers, numpy and pytest (no Redis, no web stack, no model
 files: random weights, no network). Prints one summary table:
 
-  kernels      every Triton kernel test on the device (tests/test_triton_kernels.py: fp32, fp16,
-               bf16) and the engine through the triton backend (tests/test_triton_engine.py)
+  kernels      every Triton kernel test on the device (tests/test_triton_kernels.py and
+               tests/test_triton_quant_linear.py: fp32, fp16, bf16) and the engine through the
+               triton backend (tests/test_triton_engine.py)
   parity       our engine (triton backend, CUDA graphs) against HF transformers on random-weight
                tiny Llama, Qwen2 and Qwen3: logits of every prompt position and greedy tokens,
                fp32 (equal) and bf16 (close)
@@ -15,10 +16,11 @@ files: random weights, no network). Prints one summary table:
                (weight bytes + KV bytes read) / measured device copy bandwidth
   prefill      a 2,048-token prompt: tokens/s and the share of the measured bf16 matmul peak
   int8         the same decode steps with weight-only int8 linear layers (--quantization int8:
-               the Triton int8 kernel) against bf16's, and the weights' memory
+               the Triton kernel's split-K decode path) against bf16's, the weights' memory and
+               the kernel's batch-1 grid per projection against the SMs
   int4         the same with 4-bit weights in groups of 128 (the layers of GPTQ / AWQ /
-               compressed-tensors W4A16 checkpoints, their values held as int8: the Triton
-               grouped kernel) against bf16's
+               compressed-tensors W4A16 checkpoints), which every linear layer must hold packed
+               two per byte (half of int8's bytes)
   tp           with two GPUs or more: a tiny model split over two ranks (NCCL) against one,
                logits and greedy tokens (skipped with one GPU)
   sampler      the batched sampler with logits processing (logit_bias, min_tokens, penalties,
@@ -121,7 +123,8 @@ def kernel_tests(report: Report, device: str) -> None:
         env = dict(os.environ, PDSERVE_TEST_DEVICE=device)
         env.pop("TRITON_INTERPRET", None)
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-               f"--junitxml={xml}", "tests/test_triton_kernels.py", "tests/test_triton_engine.py"]
+               f"--junitxml={xml}", "tests/test_triton_kernels.py",
+               "tests/test_triton_quant_linear.py", "tests/test_triton_engine.py"]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         took = time.perf_counter() - t0
@@ -344,6 +347,28 @@ def _timed(fn, repeat: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def _quantized_layers(report: Report, section: str, model, four_bit: bool, device,
+                      quick: bool) -> None:
+    """How the quantized layers are held and launched: packed 4-bit where the scheme is, and
+    the Triton kernel's grid at batch 1 for each projection shape (programs against SMs; no
+    target for --quick's tiny shapes)."""
+    from kernels.triton_quant_linear import num_sms_of, plan
+
+    layers = [m for m in model.modules() if hasattr(m, "qweight")]
+    packed = sum(getattr(m, "qbits", 8) == 4 for m in layers)
+    if four_bit:
+        report.add(section, "storage", f"{packed}/{len(layers)} linear layers hold 4-bit "
+                   "weights two per byte", "all packed", bool(layers) and packed == len(layers))
+    sms = num_sms_of(device)
+    shapes = sorted({(m.out_features, m.in_features, m.group if m.groups > 1 else 0)
+                     for m in layers})
+    grids = [f"{n}x{k}: {plan(1, n, k, g, sms).programs(1, n)}" for n, k, g in shapes]
+    report.add(section, "batch-1 grid", f"programs per projection ({sms} SMs) "
+               + ", ".join(grids), f">= {2 * sms}",
+               None if quick else
+               all(plan(1, n, k, g, sms).programs(1, n) >= 2 * sms for n, k, g in shapes))
+
+
 def decode_and_prefill(report: Report, device: str, quick: bool,
                        steps: dict | None = None, quantization: str = "none") -> None:
     """bf16 decode steps and a prefill; with quantization "int8" or "w4a16" the decode steps
@@ -388,6 +413,8 @@ def decode_and_prefill(report: Report, device: str, quick: bool,
                f"{model_bytes(runner.model) / 2**30:.2f} GiB, {runner.num_blocks} KV blocks, graphs "
                f"{runner.graphs.buckets if runner.graphs else 'off'}, {setup:.0f} s; copy "
                f"bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul peak {peak / 1e12:.0f} TFLOP/s")
+    if int8 and dev.type == "cuda":
+        _quantized_layers(report, section, runner.model, quantization == "w4a16", dev, quick)
     graphs = runner.graphs
     for batch in batches:
         inp = _decode_inputs(batch, ctx, bs, mc.vocab_size)

@@ -35,3 +35,27 @@ def test_make_target_runs_the_script_without_setup():
     proc = subprocess.run(["make", "-n", "gpu-check"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0
     assert "python3 -m pdserve.gpucheck" in proc.stdout and "pip" not in proc.stdout
+
+
+def test_quantized_layer_rows_read_the_layers():
+    """The int8 / int4 sections' storage and grid rows (run on CUDA only): CPU layers keep int8
+    values, so the storage row fails here; 8B-sized projections get their grids."""
+    import torch
+    from torch import nn
+
+    from engine.layers.linear import Linear, QuantizedMethod
+    from engine.layers.quant_formats import QuantScheme
+    from pdserve.gpucheck import Report, _quantized_layers
+
+    model = nn.Sequential(*[Linear(k, n, method=QuantizedMethod(QuantScheme("gptq", 4, 128),
+                                                                 False))
+                            for n, k in ((4096, 4096), (4096, 14336))])
+    for layer in model:
+        layer.weight.data.zero_()
+        layer.weight_scale.data.fill_(1.0)
+        layer.process_weights_after_loading()
+    report = Report()
+    _quantized_layers(report, "int4", model, True, torch.device("cpu"), quick=False)
+    storage, grid = report.rows
+    assert storage[1] == "storage" and storage[4] is False and "0/2" in storage[2]
+    assert grid[4] is True and "4096x4096: 512" in grid[2] and "4096x14336: 576" in grid[2]

@@ -131,6 +131,13 @@ class IntegerWeights(LinearMethod):
             packed_scale = (cpu_linear.pad_bias(scale[:, 0].contiguous()) if layer.groups == 1
                             else cpu_linear.pack_group_scales(scale))
             layer.register_buffer("scale", packed_scale, persistent=False)
+        elif q.is_cuda:        # 4-bit schemes packed two weights per byte for the Triton kernel
+            from kernels import triton_quant_linear as tq
+            bits = getattr(getattr(self, "scheme", None), "bits", 8)
+            qweight, scale, offset, layer.qbits = tq.prepare(q, scale, bits)
+            layer.register_buffer("qweight", qweight, persistent=False)
+            layer.register_buffer("qoffset", offset, persistent=False)
+            layer.register_buffer("scale", scale, persistent=False)
         else:
             layer.register_buffer("qweight", q.contiguous(), persistent=False)
             layer.register_buffer("scale", scale.float().contiguous(), persistent=False)
@@ -145,7 +152,8 @@ class IntegerWeights(LinearMethod):
                                                   layer.out_features, bias)
         if x.is_cuda:
             from kernels.triton_quant_linear import quant_linear
-            return quant_linear(x, layer.qweight, layer.scale, bias)
+            return quant_linear(x, layer.qweight, layer.scale, bias,
+                                getattr(layer, "qoffset", None), getattr(layer, "qbits", 8))
         w = layer.qweight.to(x.dtype) * layer.scale.to(x.dtype).repeat_interleave(layer.group, 1)
         return F.linear(x, w, bias)
 
