@@ -110,8 +110,9 @@ class IntegerWeights(LinearMethod):
     """Integer weights q [N, K] (int8 storage) with float32 scales [N, groups] (one group: per
     output channel): W[n, k] = q[n, k] * scale[n, k // (K / groups)]. On AVX2 fp32 CPUs the
     int8 panels of kernels/cpu_linear.py (a quarter of fp32's bytes to stream: faster where
-    decode is memory-bound); on CUDA the Triton kernel of kernels/triton_quant_linear.py (int8
-    tiles widened in registers); elsewhere the torch reference, dequantize-then-matmul (correct,
+    decode is memory-bound); on CUDA the Triton kernel of kernels/triton_quant_linear.py (8-bit
+    weights as int8, 4-bit ones packed two per byte, unpacked and widened in registers; split
+    over K at decode so the grid fills the GPU); elsewhere the torch reference, dequantize-then-matmul (correct,
     not fast). With `act_bits` 8 (W8A8), each row of x is first quantized to int8 with its own
     scale (dynamic, per token), as the checkpoint was calibrated."""
 
