@@ -117,12 +117,14 @@ class KVSink(Protocol):
     def expecting(self) -> bool:
         """Whether some request is waiting for its KV (or blocks are kept aside) now."""
 
-    async def write(self, request_id: str, block_ids: list[int], data: torch.Tensor) -> None:
+    async def write(self, request_id: str, block_ids: list[int], data: torch.Tensor,
+                    ready: object | None = None) -> None:
         """data: [num_layers, 2, len(block_ids), block_size, kv_heads, head_dim], on the host
-        (built from message bytes) or on the pool's device (an NCCL receive). Copied into the
-        pool if the blocks are still the request's to receive; may return once the copy is
-        queued (the request's completion is ordered behind it). `data` is not reused by the
-        caller afterwards."""
+        (built from message bytes) or on the pool's device (an NCCL receive, on the receiving
+        thread's own stream: complete once the CUDA event `ready` has, which the copy's stream
+        waits for on the device, never the host). Copied into the pool if the blocks are still
+        the request's to receive; may return once the copy is queued (the request's completion
+        is ordered behind it). `data` is not reused by the caller afterwards."""
 
     @property
     def pool(self) -> torch.Tensor:

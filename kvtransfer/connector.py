@@ -80,9 +80,10 @@ class EngineSink:
     def expecting(self) -> bool:
         return self.connector.expecting()
 
-    async def write(self, request_id: str, block_ids: list[int], data: torch.Tensor) -> None:
-        """Copy received blocks into the pool, on the engine thread, if they are still the
-        request's to receive. Returns once the copy is queued to the engine (in order with the
+    async def write(self, request_id: str, block_ids: list[int], data: torch.Tensor,
+                    ready: object | None = None) -> None:
+        """Copy received blocks into the pool, on the engine thread (its stream waits for
+        `ready` first: kvtransfer.base.KVSink), if they are still the request's to receive. Returns once the copy is queued to the engine (in order with the
         request's completion, which follows it); waits only while more than
         MAX_PENDING_BYTES of received KV is queued, so a long prompt's pieces all land in
         the engine's next pause between steps instead of one a step."""
@@ -95,7 +96,7 @@ class EngineSink:
             if load is None or not self.connector.is_loading(request_id, ids):
                 return
             try:
-                self.staging.write_blocks(pool, ids, data)
+                self.staging.write_blocks(pool, ids, data, ready)
             except RankFailure:              # tensor parallel: the engine stops
                 raise
             except Exception as exc:     # the request must not run on KV that is not there

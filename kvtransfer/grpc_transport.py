@@ -5,15 +5,20 @@ for long prompts; messages go out as the prefill worker's chunks finish, and the
 the first token. The decode worker serves PushKV on its
 ordinary gRPC port, so the receiver's address is the worker's address.
 
-Blocks cross the host on both sides through kvtransfer.staging: the sender gathers them on its
-pool's device into a reusable (on CUDA page-locked) buffer and sends its bytes; the decode
-engine's sink (kvtransfer.connector) copies them back to its device the same way. The gather runs
-on the engine thread (`run_on_pool`: one command per chunk, between steps; on CUDA it waits for
-its device-to-host copy there) and on the stream the engine computes on, behind the step that
-wrote the blocks, so `ready` events are not waited for.
+Blocks cross the host on both sides through kvtransfer.staging. The sender's engine thread only
+queues work: one command per send (`run_on_pool`, between steps, on the stream the engine computes
+on, behind the step that wrote the blocks, so `ready` events are not waited for) gathers the
+blocks into a copy of the sender's own (which is what frees the pool's blocks for a `save_done`
+queued after it) and, on CUDA, computes their checksums there and queues their copy into
+page-locked host memory on a copy stream; the sender's own thread waits for that copy's event
+(on CPUs: computes the checksums of the gathered copy) and serializes each message, the blocks'
+bytes written once, from host memory straight into the encoded message
+(kvtransfer.wire.chunk_bytes), which the call sends as it is. The decode engine's sink
+(kvtransfer.connector) copies received bytes back to its device through staging too.
 
 Integrity: each message carries the checksums of its blocks (kvtransfer.integrity), computed on
-the sender's device from the gathered blocks and copied back with them; the receiver holds every
+the sender's device from the gathered blocks (CUDA: queued behind the gather and copied back with
+the blocks; CPUs: on the sender's thread, from its gathered copy); the receiver holds every
 message to the request's reservation (kvtransfer.integrity.Intake) before writing, and checks the
 checksums on its pool once the last message is in. Calls carry the deployment token
 (pdserve.cluster_auth), which the worker's server checks.
@@ -22,6 +27,7 @@ checksums on its pool once the last message is in. Calls carry the deployment to
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 
 import grpc
@@ -30,23 +36,23 @@ import torch
 from engine.engine import KVLayout
 from engine.request import TokenLogprob
 from kvtransfer.base import (KVReceiver, KVSender, KVSendStream, KVSink, KVTransferError,
-                             LayoutMismatch, TransferTarget, check_layout)
+                             LayoutMismatch, TransferTarget, block_bytes, check_layout)
 from kvtransfer.integrity import Intake, Refused, checksums
-from kvtransfer.staging import HostStaging
-from kvtransfer.wire import (completion_chunk, first_logprob_of, layout_from_pb, layout_to_pb,
-                             tensor_from_bytes)
+from kvtransfer.staging import Gathered, HostStaging
+from kvtransfer.wire import (chunk_bytes, completion_chunk, first_logprob_of, layout_from_pb,
+                             layout_to_pb, tensor_from_bytes)
 from pdserve import cluster_auth
 from proto import pdserve_pb2 as pb
-from proto import pdserve_pb2_grpc as pb_grpc
 
 MAX_MESSAGE = 256 << 20
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE),
                    ("grpc.max_receive_message_length", MAX_MESSAGE)]
+PUSH_KV = f"/{pb.DESCRIPTOR.services_by_name['DecodeWorker'].full_name}/PushKV"
 
 
 class _GrpcSendStream(KVSendStream):
-    """A PushKV client stream fed from a queue: each send() gathers its blocks off the event
-    loop and queues them as messages of at most `blocks_per_message` blocks."""
+    """A PushKV client stream of encoded KVChunk messages fed from a queue; each send() queues
+    its blocks as messages of at most `blocks_per_message` blocks."""
 
     def __init__(self, sender: "GrpcKVSender", request_id: str, kv: torch.Tensor,
                  target: TransferTarget) -> None:
@@ -57,12 +63,14 @@ class _GrpcSendStream(KVSendStream):
         self.staging = sender.staging(kv.device)
         self.digest = checksums if sender.checksum else None
         self.run_on_pool = sender.run_on_pool
+        self.thread = sender.thread
         self.sender_layout = sender.layout
         self.layout = layout_to_pb(sender.layout)
+        self.block_bytes = block_bytes(sender.layout)
         self._out: asyncio.Queue = asyncio.Queue()
         self.timeout_s = sender.timeout_s
         # no deadline on the call: it lasts as long as the prefill; the tail is bounded in finish
-        self._call = sender._stub(target.address).PushKV(self._messages())
+        self._call = sender._push(target.address)(self._messages())
         self._result = asyncio.ensure_future(self._finish_call())
 
     async def _messages(self):
@@ -82,19 +90,35 @@ class _GrpcSendStream(KVSendStream):
 
     async def send(self, src_blocks: list[int], dst_blocks: list[int],
                    ready: object | None = None) -> None:
-        """Queues the blocks' bytes, copied to the host on the pool's thread (run_on_pool).
-        `ready` is not waited for: the copy is ordered behind the step on the engine's
-        stream."""
+        """Queues the blocks' messages: staging buffers reserved and, once the pool's thread
+        has queued the gathers and copies (run_on_pool, one command), each message waited for
+        and encoded on the sender's thread. `ready` is not waited for: the gathers are ordered
+        behind the step on the engine's stream."""
         self._failed()
-        pieces = [list(src_blocks[i:i + self.step]) for i in range(0, len(src_blocks), self.step)]
-        gathered = await self.run_on_pool(self._gather, pieces)     # one engine command
-        for i, (data, sums) in zip(range(0, len(src_blocks), self.step), gathered):
-            self._out.put_nowait(pb.KVChunk(request_id=self.request_id, layout=self.layout,
-                                            block_ids=dst_blocks[i:i + self.step], data=data,
-                                            checksums=sums))
+        starts = range(0, len(src_blocks), self.step)
+        pieces = [list(src_blocks[i:i + self.step]) for i in starts]
+        if not pieces:
+            return
+        loop = asyncio.get_running_loop()
+        buffers = await loop.run_in_executor(
+            self.thread, lambda: [self.staging.reserve(len(p) * self.block_bytes)
+                                  for p in pieces])
+        gathered = await self.run_on_pool(self._gather, pieces, buffers)   # one engine command
+        for i, g in zip(starts, gathered):
+            self._out.put_nowait(await loop.run_in_executor(
+                self.thread, self._encode, g, list(dst_blocks[i:i + self.step])))
 
-    def _gather(self, pieces: list[list[int]]) -> list[tuple[bytes, list[int]]]:
-        return [self.staging.blocks_and_digest(self.kv, src, self.digest) for src in pieces]
+    def _gather(self, pieces: list[list[int]], buffers: list) -> list[Gathered]:
+        """On the pool's thread: gathers (and on CUDA digests and copies to the host) queued."""
+        return [self.staging.gather(self.kv, src, self.digest, buf)
+                for src, buf in zip(pieces, buffers)]
+
+    def _encode(self, gathered: Gathered, dst_blocks: list[int]) -> bytes:
+        """On the sender's thread: one message, once its blocks are on the host."""
+        with gathered.on_host() as (data, sums):
+            head = pb.KVChunk(request_id=self.request_id, layout=self.layout,
+                              block_ids=dst_blocks, checksums=sums)
+            return chunk_bytes(head, data.numpy())
 
     async def finish(self, first_token: int, first_logprob: TokenLogprob | None,
                      src_blocks: list[int] = (), dst_blocks: list[int] = (),
@@ -102,7 +126,7 @@ class _GrpcSendStream(KVSendStream):
         if src_blocks:
             await self.send(list(src_blocks), list(dst_blocks))
         self._out.put_nowait(completion_chunk(self.request_id, self.sender_layout, first_token,
-                                              first_logprob))
+                                              first_logprob).SerializeToString())
         self._out.put_nowait(None)
         try:
             await asyncio.wait_for(asyncio.shield(self._result), self.timeout_s)
@@ -134,12 +158,16 @@ class GrpcKVSender(KVSender):
         self.blocks_per_message = blocks_per_message
         self.timeout_s = timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
+        # the sender's own thread: waits for copies to the host, encodes messages
+        self.thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-grpc")
 
-    def _stub(self, address: str) -> pb_grpc.DecodeWorkerStub:
+    def _push(self, address: str):
+        """DecodeWorker.PushKV on `address`, for messages encoded already (chunk_bytes)."""
         ch = self._channels.get(address)
         if ch is None:
             ch = self._channels[address] = self.auth.channel(address, CHANNEL_OPTIONS)
-        return pb_grpc.DecodeWorkerStub(ch)
+        return ch.stream_unary(PUSH_KV, request_serializer=None,
+                               response_deserializer=pb.PushKVReply.FromString)
 
     def staging(self, device: torch.device) -> HostStaging:
         """The staging of pools on `device` (one per device, reused by every stream)."""
@@ -155,6 +183,7 @@ class GrpcKVSender(KVSender):
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
+        self.thread.shutdown(wait=False)
 
 
 class GrpcKVReceiver(KVReceiver):

@@ -51,12 +51,13 @@ class MemorySink:
     def expecting(self) -> bool:
         return bool(self.reservations)
 
-    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        self.staging.write_blocks(self.kv, block_ids, data)
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor, ready=None) -> None:
+        self.staging.write_blocks(self.kv, block_ids, data, ready)
 
-    async def write(self, request_id: str, block_ids: list[int], data: torch.Tensor) -> None:
+    async def write(self, request_id: str, block_ids: list[int], data: torch.Tensor,
+                    ready: object | None = None) -> None:
         if request_id in self.reservations:
-            await asyncio.to_thread(self.write_blocks, block_ids, data)
+            await asyncio.to_thread(self.write_blocks, block_ids, data, ready)
 
     async def complete(self, request_id: str, first_token: int,
                        first_logprob: TokenLogprob | None, block_ids: list[int],

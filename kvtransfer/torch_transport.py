@@ -1,38 +1,54 @@
 """The `torch` transport: torch.distributed point-to-point send/recv, gloo on CPUs, NCCL on GPUs.
 
-Workers come and go, so there is no global process group: each (prefill, decode) pair gets a
-two-rank group of its own. The decode worker runs a TCPStore (its address is the receiver's
-address); a prefill worker that first sends to it takes a channel number from the store
-(`add`), announces a channel id under it, and both build a group (each on a thread of its own:
-the rendezvous blocks) over a PrefixStore of that id
-(prefill rank 0, decode rank 1). The decode worker listens for announcements on one thread and
-receives on one thread per channel.
+Workers come and go, so there is no global process group: each (prefill, decode) pair gets
+groups of its own. The decode worker runs a TCPStore (its address is the receiver's address); a
+prefill worker that first sends to it takes a channel number from the store (`add`), announces a
+channel id under it, and both build the channel's groups (each on a thread of its own: the
+rendezvous blocks) over a PrefixStore of that id (prefill rank 0, decode rank 1). The decode
+worker listens for announcements on one thread and receives on one thread per channel.
 
-On a channel, one message is up to four sends: a header [meta bytes, blocks, checksums follow],
-the meta (a KVChunk without data: request id, layout, destination block ids, `last` with the
-first token), then the blocks' data [layers, 2, blocks, block_size, kv_heads, head_dim] if any,
-then their checksums (int64 [blocks], kvtransfer.integrity, computed from the gathered blocks on
-the sender's device: no host sync on the way out) unless the sender runs --kv-checksum off. A
-channel's messages go out from one thread, in order; messages of several requests interleave
-whole. The receiver holds every message to the request's reservation (kvtransfer.integrity.Intake)
-before writing and checks the checksums on its pool at the completion (two-sided: a late message
-of an aborted request is dropped). A sender that closes says goodbye (a header of -1), which ends
-the receiving thread.
+A channel is two groups: `control`, always gloo (host tensors), and `payload`, NCCL when the
+pools are on CUDA (device tensors), else the control group itself. One message is a header
+[meta bytes, blocks, checksums follow] and the meta (a KVChunk without data: request id, layout,
+destination block ids, `last` with the first token), both on the control group, then, if the
+header says so, the payload: the blocks' data [layers, 2, blocks, block_size, kv_heads,
+head_dim] and their checksums (int64 [blocks], kvtransfer.integrity, computed from the gathered
+blocks on the sender's device: no host sync on the way out) unless the sender runs
+--kv-checksum off. A channel's messages go out from one thread, in order; messages of several
+requests interleave whole. The receiver holds every message to the request's reservation
+(kvtransfer.integrity.Intake) before writing and checks the checksums on its pool at the
+completion (two-sided: a late message of an aborted request is dropped). A sender that closes
+says goodbye (a header of -1), which ends the receiving thread.
+
+Idle channels. Between messages the receiving thread waits for the next header on the control
+group, on the host, for as long as the channel stays idle (IDLE): no device operation is posted
+meanwhile, so NCCL's watchdog has nothing to time out, and every operation of either group is
+posted only once both sides know it is coming and is held to the configured timeout (`timeout_s`,
+NCCL's included: a payload that stalls past it trips NCCL's watchdog, which by default ends the
+process). A sender that goes away ends the wait (its connections close).
+
+Streams (CUDA). An NCCL operation makes the calling thread's current stream wait for it, and
+NCCL's stream waits for that stream's earlier work: every channel thread, sending or receiving,
+makes a stream of its own current (kvtransfer.staging.use_own_stream), never the device's
+default stream, which the engine computes on, so a decode step never queues behind a receive,
+nor a send behind later steps. The sender gathers the blocks (a copy) and their checksums on
+the engine thread (`run_on_pool`), on the engine's stream behind the step that wrote them (so
+`ready` events are not waited for), and records an event there; the channel's thread makes its
+stream wait for that event before it sends, holds the gathered tensors until the send has
+completed, and never waits for an NCCL send (`finish` polls the last one's `is_completed()`:
+NCCL orders one peer's sends on one stream). The receiver records an event on its stream after
+the payload's receives, waits for it there (its own thread, so the engine's stream never waits
+for a payload in flight) and hands it to the sink with the data: the engine thread's stream
+waits for it on the device (kvtransfer.staging `wait_for`, no host sync) before the copy into
+the pool reads the data, whose memory then stays allocated until that copy is done
+(record_stream). On CPUs there are no streams and no events: gloo's `wait()` returns once the
+bytes are out or in, and the code is the same.
 
 Who may open a channel: the TCPStore has no authentication, so the announcement carries
 ClusterAuth.sign of (channel number, channel id) and the receiver builds no group for one
 without the deployment's signature. Anyone who reaches the store's port can still read and write
 its keys (and disturb rendezvous), and gloo/NCCL connections are not authenticated: keep the
 workers on a private network.
-
-Devices (`MessageTensors`): every tensor of a message lives on the pool's device (NCCL moves
-only device memory; gloo pools are on the CPU), receive buffers too; header and meta are read
-back to the host after their receive. The blocks are gathered (a copy) on the engine thread
-(`run_on_pool`) and on the stream the engine computes on, behind the step that wrote them (NCCL's
-stream waits for it), so `ready` events are not waited for; the channel's thread sends the copy. Completion differs by backend: a gloo `wait()` returns once the bytes are out; an
-NCCL `wait()` only makes the current stream (the engine's) wait, so the sender never calls it
-while sending (the transfer would stall the engine's next steps) and `finish` instead polls the
-last send's `is_completed()` (NCCL orders one peer's sends on one stream) before it returns.
 """
 
 from __future__ import annotations
@@ -46,6 +62,7 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -56,7 +73,7 @@ from engine.request import TokenLogprob
 from kvtransfer.base import (KVReceiver, KVSender, KVSendStream, KVSink, KVTransferError,
                              TransferTarget, block_bytes, check_layout, poll_until)
 from kvtransfer.integrity import Intake, Refused, checksums
-from kvtransfer.staging import host_to_device
+from kvtransfer.staging import host_to_device, recorded, use_own_stream, wait_for
 from kvtransfer.wire import completion_chunk, first_logprob_of, layout_from_pb, layout_to_pb
 from pdserve import cluster_auth
 from proto import pdserve_pb2 as pb
@@ -65,6 +82,7 @@ log = logging.getLogger(__name__)
 
 HEADER = 3          # int64s: meta length, number of blocks, 1 when checksums follow
 MAX_META = 1 << 20  # bytes of one message's meta a receiver accepts
+IDLE = datetime.timedelta(days=3650)    # a channel's wait for its next header: while it is idle
 
 
 def _client(address: str, timeout_s: float) -> dist.TCPStore:
@@ -74,57 +92,67 @@ def _client(address: str, timeout_s: float) -> dist.TCPStore:
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def _use_device(device: torch.device) -> None:
-    """On a channel's thread: NCCL creates its communicator on the thread's current device."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-
-
 def _announcement(n: int, channel: str) -> dict[str, str]:
     """The fields of a channel announcement that the deployment token signs."""
     return {"purpose": "torch-kv-channel", "n": str(n), "channel": channel}
 
 
-def _group(store, channel: str, rank: int, device: torch.device, timeout_s: float):
+def _groups(store, channel: str, rank: int, device: torch.device, timeout_s: float):
+    """-> (control, payload): the channel's gloo group, and NCCL's for pools on CUDA (else the
+    gloo group again); both held to `timeout_s` per operation."""
     prefixed = dist.PrefixStore(f"pdserve/kv/{channel}", store)
     timeout = datetime.timedelta(seconds=timeout_s)
-    if device.type == "cuda":
-        return dist.ProcessGroupNCCL(prefixed, rank, 2, dist.ProcessGroupNCCL.Options())
-    return dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+    control = dist.ProcessGroupGloo(dist.PrefixStore("control", prefixed), rank, 2, timeout)
+    if device.type != "cuda":
+        return control, control
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return control, dist.ProcessGroupNCCL(dist.PrefixStore("payload", prefixed), rank, 2,
+                                          options)
+
+
+@dataclass
+class Outgoing:
+    """One message's tensors (MessageTensors.outgoing)."""
+
+    control: list[torch.Tensor]         # [header, meta bytes], on the host
+    payload: list[torch.Tensor]         # [blocks, checksums], or fewer, on the pool's device
+    ready: object | None = None         # CUDA: event after the payload, on the engine's stream
 
 
 class MessageTensors:
     """The tensors of channel messages for pools of `layout` on `device`: what a sender sends and
-    what a receiver receives into, all on `device`."""
+    what a receiver receives into; headers and metas on the host, payloads on `device`."""
 
     def __init__(self, layout: KVLayout, device: torch.device) -> None:
         self.layout = layout
         self.device = torch.device(device)
 
     def outgoing(self, meta: bytes, kv: torch.Tensor, src_blocks: list[int],
-                 checksum: bool = True) -> list[torch.Tensor]:
+                 checksum: bool = True) -> Outgoing:
         """[header, meta bytes] and, with src_blocks, kv[:, :, src_blocks] gathered on the device
-        (kv: the pool, on `device`) and (checksum) their checksums, computed there."""
+        (kv: the pool, on `device`) and (checksum) their checksums, computed there; on the
+        pool's thread (its current stream: the event `ready` follows them there)."""
         n = len(src_blocks)
         summed = int(checksum and n > 0)
-        out = [host_to_device(torch.tensor([len(meta), n, summed], dtype=torch.int64),
-                              self.device),
-               host_to_device(torch.frombuffer(bytearray(meta), dtype=torch.uint8), self.device)]
+        control = [torch.tensor([len(meta), n, summed], dtype=torch.int64),
+                   torch.frombuffer(bytearray(meta), dtype=torch.uint8)]
+        payload = []
         if n:
             index = host_to_device(torch.tensor(src_blocks, dtype=torch.long), kv.device)
-            out.append(kv.index_select(2, index))  # [layers, 2, n, block_size, heads, head_dim]
+            payload.append(kv.index_select(2, index))  # [layers, 2, n, bs, heads, head_dim]
         if summed:
-            out.append(checksums(out[-1]))         # int64 [n]
-        return out
+            payload.append(checksums(payload[0]))      # int64 [n]
+        return Outgoing(control, payload, recorded(self.device) if payload else None)
 
     def goodbye(self) -> torch.Tensor:
-        return host_to_device(torch.tensor([-1, 0, 0], dtype=torch.int64), self.device)
+        return torch.tensor([-1, 0, 0], dtype=torch.int64)
 
     def header(self) -> torch.Tensor:
-        return torch.empty(HEADER, dtype=torch.int64, device=self.device)
+        return torch.empty(HEADER, dtype=torch.int64)
 
     def meta(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return torch.empty(nbytes, dtype=torch.uint8)
 
     def sums(self, num_blocks: int) -> torch.Tensor:
         return torch.empty(num_blocks, dtype=torch.int64, device=self.device)
@@ -136,18 +164,17 @@ class MessageTensors:
 
     @staticmethod
     def read_header(header: torch.Tensor) -> tuple[int, int, bool]:
-        """(meta bytes, blocks, checksums follow), on the host once the header's receive has
-        completed."""
+        """(meta bytes, blocks, checksums follow), once the header's receive has completed."""
         meta_len, n, summed = header.tolist()
         return meta_len, n, summed == 1
 
     @staticmethod
     def read_meta(meta: torch.Tensor) -> bytes:
-        return meta.cpu().numpy().tobytes()
+        return meta.numpy().tobytes()
 
 
 class _Channel:
-    """Prefill side of one pair group: a single thread sends, so messages stay whole."""
+    """Prefill side of one pair's groups: a single thread sends, so messages stay whole."""
 
     def __init__(self, address: str, sender_id: str, layout: KVLayout, device: torch.device,
                  timeout_s: float, checksum: bool, auth: cluster_auth.ClusterAuth):
@@ -158,57 +185,68 @@ class _Channel:
         self.auth = auth
         self.tensors = MessageTensors(layout, device)
         self.timeout_s = timeout_s
-        self.group = None
+        self.control = self.payload = None
         self.pool = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="kv-send", initializer=_use_device, initargs=(device,))
+            1, thread_name_prefix="kv-send", initializer=use_own_stream, initargs=(device,))
         self.broken: Exception | None = None
+        self._sending: list[tuple[object, list[torch.Tensor]]] = []   # NCCL: (work, tensors)
 
     def _connect(self) -> None:
-        """On the channel's thread (the group's rendezvous blocks until the receiver joins)."""
+        """On the channel's thread (the groups' rendezvous blocks until the receiver joins)."""
         self.store = _client(self.address, self.timeout_s)
         n = self.store.add("channels", 1) - 1
         channel = f"{self.sender_id}-{n}"
         signature = self.auth.sign(_announcement(n, channel))
         self.store.set(f"channel/{n}", f"{channel} {signature}")
-        self.group = _group(self.store, channel, 0, self.device, self.timeout_s)
-
-    def _settle(self, work) -> None:
-        """gloo: wait until the bytes are out. NCCL: nothing (see the module's docstring)."""
-        if self.device.type != "cuda":
-            work.wait()
+        self.control, self.payload = _groups(self.store, channel, 0, self.device, self.timeout_s)
 
     def check(self, work) -> None:
-        """Raise the error of a completed send, if any (gloo's was raised by _settle; a second
-        gloo wait() would wait for another send)."""
+        """Raise the error of a completed payload send, if any (NCCL; gloo's was raised while
+        sending, and a second gloo wait() would wait for another send)."""
         if self.device.type == "cuda":
             work.wait()
+
+    def _sent(self) -> bool:
+        """Forget the payloads whose sends have completed; -> whether none is in flight."""
+        self._sending = [(w, t) for w, t in self._sending if not w.is_completed()]
+        return not self._sending
 
     def close(self) -> None:
         """Tell the receiver this channel ends (its thread returns), on the channel's thread."""
         def goodbye():
-            if self.group is not None and self.broken is None:
-                work = self.group.send([self.tensors.goodbye()], 1, 0)
-                work.wait()
+            if self.control is not None and self.broken is None:
+                self.control.send([self.tensors.goodbye()], 1, 0).wait()
                 deadline = time.monotonic() + self.timeout_s
-                while not work.is_completed() and time.monotonic() < deadline:
-                    time.sleep(0.001)                # NCCL: wait() did not block
+                while not self._sent() and time.monotonic() < deadline:
+                    time.sleep(0.001)
         try:
             self.pool.submit(goodbye).result(timeout=self.timeout_s)
         except Exception:
             pass
         self.pool.shutdown(wait=False)
 
-    def message(self, meta: bytes, kv: torch.Tensor, src_blocks: list[int]) -> list:
+    def message(self, meta: bytes, kv: torch.Tensor, src_blocks: list[int]) -> Outgoing:
         """One message's tensors, the blocks gathered from the pool: on the pool's thread."""
         return self.tensors.outgoing(meta, kv, src_blocks, self.checksum)
 
-    def send(self, tensors: list[torch.Tensor]):
-        """One message (`message`), on the channel's thread; -> the work of its last send."""
-        if self.group is None:
+    def send(self, message: Outgoing):
+        """One message, on the channel's thread: its header and meta, waited for until they are
+        out; then its payload once the engine's stream has computed it, not waited for on
+        NCCL (gloo: until out). -> the work of the payload's last send, or None."""
+        if self.control is None:
             self._connect()
-        for tensor in tensors:
-            work = self.group.send([tensor], 1, 0)
-            self._settle(work)
+        for tensor in message.control:
+            self.control.send([tensor], 1, 0).wait()
+        if not message.payload:
+            return None
+        wait_for(message.ready)                 # this thread's stream, not the engine's
+        for tensor in message.payload:
+            work = self.payload.send([tensor], 1, 0)
+            if self.device.type != "cuda":
+                work.wait()
+        self._sent()
+        if self.device.type == "cuda":
+            self._sending.append((work, message.payload))
         return work
 
 
@@ -223,7 +261,7 @@ class _TorchSendStream(KVSendStream):
         self.request_id = request_id
         self.kv = kv
         self.target = target
-        self._last = None                  # the work of the last send
+        self._last = None                  # the work of the last payload send
 
     async def _message(self, msg: pb.KVChunk, src_blocks: list[int]) -> None:
         ch = self.channel
@@ -231,12 +269,13 @@ class _TorchSendStream(KVSendStream):
             raise KVTransferError(f"torch.distributed channel to {ch.address} is broken: "
                                   f"{ch.broken}")
         try:
-            tensors = await self.sender.run_on_pool(ch.message, msg.SerializeToString(),
+            message = await self.sender.run_on_pool(ch.message, msg.SerializeToString(),
                                                     self.kv, src_blocks)
-            self._last = await asyncio.get_running_loop().run_in_executor(ch.pool, ch.send,
-                                                                          tensors)
+            work = await asyncio.get_running_loop().run_in_executor(ch.pool, ch.send, message)
         except Exception as exc:
             raise self._broken(exc) from exc
+        if work is not None:
+            self._last = work
 
     def _broken(self, exc: Exception) -> KVTransferError:
         """Retire the channel after `exc`; -> the error to raise."""
@@ -246,8 +285,11 @@ class _TorchSendStream(KVSendStream):
         return KVTransferError(f"torch.distributed send to {ch.address} failed: {exc}")
 
     async def _sent(self) -> None:
-        """Until the last send has completed (on the device too)."""
+        """Until the last payload send has completed (on the device too); header and meta
+        sends were waited for."""
         work = self._last
+        if work is None:
+            return
         await poll_until(work.is_completed, self.sender.timeout_s,
                          lambda: f"torch.distributed send to {self.channel.address} did not "
                                  "complete")
@@ -332,8 +374,9 @@ class TorchKVReceiver(KVReceiver):
         self.tensors = MessageTensors(sink.layout, sink.pool.device)
         self._next = 0
         self._closed = threading.Event()
-        self._groups: list = []
+        self._groups: list[tuple] = []               # (control, payload) per channel
         self._threads: list[threading.Thread] = []
+        self._idle: set[threading.Thread] = set()    # waiting for a header
         threading.Thread(target=self._accept, name="kv-accept", daemon=True).start()
 
     def address(self) -> str:
@@ -364,22 +407,22 @@ class TorchKVReceiver(KVReceiver):
     def _receive(self, channel: str) -> None:
         device = self.tensors.device
         try:
-            _use_device(device)
-            group = _group(_client(self._address, self.timeout_s), channel, 1, device,
-                           self.timeout_s)
+            use_own_stream(device)
+            groups = _groups(_client(self._address, self.timeout_s), channel, 1, device,
+                             self.timeout_s)
         except Exception:
             log.exception("torch.distributed channel %s: group setup failed", channel)
             return
-        self._groups.append(group)
+        self._groups.append(groups)
         while not self._closed.is_set():
             try:
-                message = self._next_message(group)
+                message = self._next_message(*groups)
             except Exception as exc:      # the sender went away (or timed out): end the channel
                 if self._closed.is_set():
                     return
                 log.info("torch.distributed channel %s closed: %s", channel, exc)
                 return
-            if message is None:                       # the sender closed the channel
+            if message is None or self._closed.is_set():   # the sender closed the channel
                 return
             try:
                 asyncio.run_coroutine_threadsafe(self._land(*message), self.loop).result()
@@ -387,32 +430,40 @@ class TorchKVReceiver(KVReceiver):
                 log.exception("torch.distributed channel %s: a message could not be landed",
                               channel)
 
-    def _next_message(self, group):
-        """-> (meta chunk, data on the pool's device or None), or None at the sender's goodbye.
-        The data's receive has completed for work queued on the current stream from now on."""
+    def _next_message(self, control, payload):
+        """-> (meta chunk, data on the pool's device or None, the claimed checksums, the event
+        after the data's receive or None), or None at the sender's goodbye. Waits for the
+        header as long as the channel is idle, on the host (see the module's docstring)."""
         tensors = self.tensors
         header = tensors.header()
-        group.recv([header], 0, 0).wait()
+        thread = threading.current_thread()
+        self._idle.add(thread)
+        try:
+            control.recv([header], 0, 0).wait(IDLE)
+        finally:
+            self._idle.discard(thread)
         meta_len, n, summed = tensors.read_header(header)
         if meta_len < 0:
             return None
         if not 0 < meta_len <= MAX_META or not 0 <= n <= self.sink.pool.shape[2]:
             raise KVTransferError(f"bad message header: {meta_len} meta bytes, {n} blocks")
         meta = tensors.meta(meta_len)
-        group.recv([meta], 0, 0).wait()
-        data = sums = None
+        control.recv([meta], 0, 0).wait()
+        data = sums = ready = None
         if n:
             data = tensors.data(n)
-            group.recv([data], 0, 0).wait()
-        if n and summed:
-            sums = tensors.sums(n)
-            group.recv([sums], 0, 0).wait()
-        # reading meta back syncs the current stream, which waits for the other receives too
+            payload.recv([data], 0, 0).wait()    # gloo: received; NCCL: this thread's stream
+            if summed:                           # waits for it
+                sums = tensors.sums(n)
+                payload.recv([sums], 0, 0).wait()
+            ready = recorded(tensors.device)
+            if ready is not None:      # this thread waits for the payload, not the engine's
+                ready.synchronize()    # stream: the sink's wait for `ready` costs it nothing
         chunk = pb.KVChunk.FromString(tensors.read_meta(meta))
-        return chunk, data, sums.tolist() if sums is not None else []
+        return chunk, data, sums.tolist() if sums is not None else [], ready
 
-    async def _land(self, chunk: pb.KVChunk, data: torch.Tensor | None,
-                    claimed: list[int]) -> None:
+    async def _land(self, chunk: pb.KVChunk, data: torch.Tensor | None, claimed: list[int],
+                    ready: object | None) -> None:
         """A message is checked before its blocks are written; a request whose transfer breaks
         a rule is rejected (the sink fails it or computes it); one without a reservation (aborted
         meanwhile, or not ours) is dropped."""
@@ -426,7 +477,7 @@ class TorchKVReceiver(KVReceiver):
             ids = self.intake.admit(chunk.request_id, chunk.block_ids, n * self.block_bytes,
                                     claimed)
             if ids:
-                await self.sink.write(chunk.request_id, ids, data)
+                await self.sink.write(chunk.request_id, ids, data, ready)
             if chunk.last:
                 await self.intake.complete(chunk.request_id, chunk.first_token_id,
                                            first_logprob_of(chunk))
@@ -436,12 +487,17 @@ class TorchKVReceiver(KVReceiver):
             await self.intake.reject(exc)
 
     async def close(self) -> None:
+        """Ends the channels' threads, at most a few seconds for those mid-message; a thread
+        waiting for a header returns at its sender's goodbye or when the sender goes away
+        (a pending gloo receive cannot be cancelled), landing nothing more."""
         self._closed.set()
         self.store.set(f"channel/{self._next}", "")      # wakes the accept thread: it returns
-        for group in self._groups:     # ends receives still waiting on senders that did not
-            try:                       # say goodbye (else gloo aborts the process at exit)
-                group.abort()
+        for group in {g for pair in self._groups for g in pair}:
+            try:                       # NCCL: ends receives in flight from a sender that
+                group.abort()          # stopped mid-message
             except Exception:
                 pass
-        for thread in self._threads:
-            await asyncio.to_thread(thread.join, 5.0)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and any(
+                t.is_alive() and t not in self._idle for t in self._threads):
+            await asyncio.sleep(0.01)

@@ -56,6 +56,30 @@ def tensor_from_bytes(data: bytes, layout: KVLayout, num_blocks: int) -> torch.T
     return staging.tensor_from_bytes(data, DTYPES[layout.dtype], shape)
 
 
+_DATA_FIELD = pb.KVChunk.DESCRIPTOR.fields_by_name["data"].number
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_DATA_TAG = _varint(_DATA_FIELD << 3 | 2)          # field `data`, length-delimited
+
+
+def chunk_bytes(chunk: pb.KVChunk, data) -> bytes:
+    """The encoding of `chunk` with `data` (any buffer: a memoryview of host memory) as its
+    data field, copied once, straight into the result: a message's encoding is the
+    concatenation of its fields' encodings in any order, so the field follows the others
+    (chunk's own data must be empty), with no bytes object of the data made first."""
+    data = memoryview(data).cast("B")
+    return b"".join((chunk.SerializeToString(), _DATA_TAG, _varint(data.nbytes), data))
+
+
 def completion_chunk(request_id: str, layout: KVLayout, first_token: int,
                      first_logprob: TokenLogprob | None, block_ids=(),
                      checksums=()) -> pb.KVChunk:

@@ -28,7 +28,10 @@ files: random weights, no network). Prints one summary table:
                reference on the same logits, and its time per step at 256 rows
   kv transfer  KV blocks device -> host bytes -> device through the grpc transport's staging
                (kvtransfer.staging), and through the whole grpc transport when its generated
-               proto code is importable
+               proto code is importable; the transports off the engine's stream and thread
+               (pdserve.gpucheck_kv): a grpc send's engine-thread part for a 2,048-token 8B
+               prompt, a held receive beside decode steps, the torch transport (NCCL, two GPUs)
+               through an idle gap longer than its timeout
 
 Targets: decode within 1.5x of the floor at batch 1 and 64, prefill at >= 40% of the matmul
 peak. Exit status 0 when every row passes. `--quick` runs tiny shapes (any device; on CPUs with
@@ -646,6 +649,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     import torch
 
+    from pdserve import gpucheck_kv
+
     skip = set(filter(None, args.skip.split(",")))
     report = Report()
     cuda = args.device.startswith("cuda")
@@ -670,7 +675,8 @@ def main(argv: list[str] | None = None) -> int:
                                                     "w4a16"), True),
                 ("tp", lambda: tensor_parallel(report, args.device, args.quick), cuda),
                 ("sampler", lambda: sampler_check(report, args.device, args.quick), True),
-                ("kv", lambda: kv_roundtrip(report, args.device), True)]
+                ("kv", lambda: kv_roundtrip(report, args.device), True),
+                ("kv", lambda: gpucheck_kv.run(report, args.device, args.quick), True)]
     for section, run, wanted in sections:
         if not wanted or section in skip:
             continue

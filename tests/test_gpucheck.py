@@ -26,6 +26,8 @@ def test_gpu_check_quick_on_cpu(tmp_path):
     assert {("decode", "batch 1 ctx 32 eager"), ("prefill", "32-token prompt"),
             ("int8", "batch 1 ctx 32 eager"), ("int4", "batch 1 ctx 32 eager")} <= checks
     assert all(r[4] is not False for r in rows)
+    kv = {r[1].split(" (")[0]: r for r in rows if r[0] == "kv transfer"}
+    assert kv["grpc send of 64 tokens"][4] and kv["torch transport"][4]   # gloo, idle gap
     parity = next(r for r in rows if r[0] == "parity")
     assert "greedy 12/12 same" in parity[2]
     assert "| section" in proc.stdout and "all checks passed" in proc.stdout

@@ -286,8 +286,8 @@ class FlipTensors(MessageTensors):
 
     def outgoing(self, meta, kv, src_blocks, checksum=True):
         out = super().outgoing(meta, kv, src_blocks, checksum)
-        if len(out) > 2:
-            out[2].view(-1).view(torch.uint8)[5] ^= 0x10
+        if out.payload:
+            out.payload[0].view(-1).view(torch.uint8)[5] ^= 0x10
         return out
 
 
@@ -426,18 +426,23 @@ def test_nixl_descriptors_are_bounded_on_both_sides():
 
 # ---------------------------------------------------------- corrupted KV, decode servicer
 class FlipStaging(HostStaging):
-    """Flips one bit of the first message's bytes after its checksums were computed."""
+    """Flips one bit of the first message's blocks after their checksums were computed (on
+    CPUs the sender's thread computes them from the gathered copy, then reads its bytes)."""
 
     flipped = False
 
-    def blocks_and_digest(self, kv, block_ids, digest):
-        data, sums = super().blocks_and_digest(kv, block_ids, digest)
+    def gather(self, kv, block_ids, digest=None, buffer=None):
+        gathered = super().gather(kv, block_ids, digest, buffer)
         if not FlipStaging.flipped:
             FlipStaging.flipped = True
-            data = bytearray(data)
-            data[len(data) // 3] ^= 0x04
-            data = bytes(data)
-        return data, sums
+
+            def then_flip(blocks):
+                sums = digest(blocks)
+                flat = blocks.view(-1).view(torch.uint8)
+                flat[flat.numel() // 3] ^= 0x04
+                return sums
+            gathered.digest = then_flip
+        return gathered
 
 
 class CorruptingSender(GrpcKVSender):

@@ -144,4 +144,5 @@ def test_kvbench_measures_every_transport_between_two_processes(tmp_path):
     assert set(results) - {"cma"} == {"memcpy", "checksum", "tcp socket", *transports,
                                       *(f"{t} no checksum" for t in transports)}
     assert all("checksum_cost" in results[t] for t in transports)
+    assert all(results[t]["pool_s"] >= 0 for t in transports)    # the pool's thread's share
     assert all(r["median_s"] > 0 and len(r["times_s"]) == 2 for r in results.values())

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from engine.request import TokenLogprob
-from kvtransfer import KVTransferError, TransferTarget, block_bytes
+from kvtransfer import KVTransferError, TransferTarget, block_bytes, create_sender
 from kvtransfer.base import poll_until
 from kvtransfer.integrity import block_checksums
 from kvtransfer.loopback import MemorySink, receiving
-from kvtransfer.staging import HostStaging
+from kvtransfer.staging import Gathered, HostStaging
 from kvtransfer.torch_transport import MessageTensors, TorchKVReceiver, TorchKVSender
 from kvtransfer.wire import tensor_from_bytes
 from tests.conftest import free_port
@@ -77,20 +77,20 @@ def test_staging_round_trip_device_to_host_bytes_to_device(dtype):
     for s, d in [(5, 1), (2, 0), (7, 6)]:
         assert torch.equal(dst[:, :, d], src[:, :, s]), (s, d)
     assert dst[:, :, [2, 3, 4, 5, 7]].abs().sum() == 0
-    assert sender.capacity == receiver.capacity == len(data)
+    assert receiver.capacity == len(data)
+    assert sender.capacity == 0                 # CPUs: the bytes are the gathered copy's
 
 
 def test_staging_reuses_its_buffer_across_messages_of_different_sizes():
     src = pool(16, seed=6)
     dst = torch.zeros_like(src)
-    staging = HostStaging("cpu")                 # one staging both ways: the buffers are shared
+    staging = HostStaging("cpu")
     bb = block_bytes(LAYOUT)
     for blocks, held in [([1, 2, 3], 3), ([9], 3), ([4, 5], 3), ([10, 11, 12, 13, 14], 5),
                          ([0], 5)]:
-        data = staging.blocks_to_bytes(src, blocks)
+        data = tensor_from_bytes(staging.blocks_to_bytes(src, blocks), LAYOUT, len(blocks))
+        staging.write_blocks(dst, blocks, data)
         assert staging.capacity == held * bb, blocks      # reused while it fits, else replaced
-        staging.write_blocks(dst, blocks, tensor_from_bytes(data, LAYOUT, len(blocks)))
-        assert staging.capacity == held * bb, blocks
         assert torch.equal(dst[:, :, blocks], src[:, :, blocks]), blocks
 
 
@@ -116,6 +116,26 @@ def test_staging_gives_each_thread_a_buffer_of_its_own():
         t.join()
     assert not errors and torch.equal(dst, src)
     assert staging.capacity <= 6 * 6 * block_bytes(LAYOUT)   # a buffer per thread at most
+
+
+def test_a_gather_on_cpus_is_the_blocks_copied_out_and_the_rest_waits_for_on_host():
+    src = pool(8, seed=16)
+    staging = HostStaging("cpu")
+    assert staging.reserve(4 * block_bytes(LAYOUT)) is None      # no buffers on CPUs
+    digested = []
+
+    def digest(blocks):
+        digested.append(blocks.shape[2])
+        return block_checksums(blocks, range(blocks.shape[2]))
+    gathered = staging.gather(src, [5, 2], digest)
+    assert gathered.buffer is None and not digested               # the gather only, so far
+    assert torch.equal(gathered.blocks, src[:, :, [5, 2]])
+    src[:, :, [5, 2]] = 0.0                  # the pool's blocks freed and reused: not read again
+    with gathered.on_host() as (data, sums):
+        assert data.dtype == torch.uint8 and data.numel() == 2 * block_bytes(LAYOUT)
+        assert torch.equal(data.view(torch.float32).view(shape(2)), gathered.blocks)
+        assert sums == block_checksums(gathered.blocks, [0, 1]).tolist() and digested == [2]
+    assert staging.capacity == 0
 
 
 def test_data_already_on_the_device_goes_into_the_pool_without_staging():
@@ -187,22 +207,98 @@ def test_grpc_sender_and_decode_sink_move_blocks_through_staging(model_dir):
     for s, d in zip([6, 3], blocks):
         assert torch.equal(engine.kv[:, :, d], src[:, :, s]), (s, d)
     one = block_bytes(lay)                              # one block a message, one buffer reused
-    assert sender.staging(src.device).capacity == one and sink.staging.capacity == one
+    assert sink.staging.capacity == one
+    assert sender.staging(src.device).capacity == 0     # CPU: messages are made from the gathers
+
+
+def test_a_grpc_message_is_encoded_with_its_data_from_host_memory():
+    from proto import pdserve_pb2 as pb
+    from kvtransfer.wire import chunk_bytes
+
+    blocks = pool(2, seed=17).to(torch.bfloat16)
+    data = blocks.reshape(-1).view(torch.uint8)
+    head = pb.KVChunk(request_id="r", block_ids=[3, 9], checksums=[-1, 2 ** 62], last=True)
+    whole = pb.KVChunk()
+    whole.CopyFrom(head)
+    whole.data = data.numpy().tobytes()
+    assert pb.KVChunk.FromString(chunk_bytes(head, data.numpy())) == whole
+    assert len(chunk_bytes(head, data.numpy())) == whole.ByteSize()
+    assert pb.KVChunk.FromString(chunk_bytes(head, b"")) == head
+
+
+def test_grpc_sender_only_gathers_on_the_pool_thread(monkeypatch):
+    """What a send runs on the pool's thread (run_on_pool: a prefill engine's, between steps) is
+    the blocks' gather, one command per send: tensors out, copies of the sender's own (the
+    blocks may be reused at once); the checksums and the encoding of the messages run on the
+    sender's thread."""
+    import concurrent.futures
+
+    import kvtransfer.grpc_transport as grpc_transport
+
+    threads: dict[str, list[str]] = {"digest": [], "encode": []}
+
+    def spy(what, fn):
+        def run(*args):
+            threads[what].append(threading.current_thread().name)
+            return fn(*args)
+        return run
+    monkeypatch.setattr(grpc_transport, "checksums", spy("digest", grpc_transport.checksums))
+    monkeypatch.setattr(grpc_transport, "chunk_bytes", spy("encode", grpc_transport.chunk_bytes))
+    src = pool(8, seed=18)
+    want = src.clone()
+    engine = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+    commands = []
+
+    async def on_pool(fn, *args):
+        def run():
+            out = fn(*args)
+            commands.append(out)
+            read = [b for piece in args[0] for b in piece]
+            src[:, :, read] = -7.0            # the blocks freed and reused right after
+            return out
+        return await asyncio.get_running_loop().run_in_executor(engine, run)
+
+    async def body():
+        sink = MemorySink(LAYOUT, 8)
+        async with endpoints("grpc", sink, src) as (sender, receiver):
+            sender.run_on_pool = on_pool
+            sender.blocks_per_message = 2
+            sink.reservations["r"] = [1, 2, 3, 4]
+            stream = sender.open("r", src, target(receiver, [1, 2, 3, 4]))
+            await stream.send([5, 0, 7], [1, 2, 3])
+            await stream.finish(9, None, [6], [4])
+            await asyncio.wait_for(sink.done.wait(), 10)
+        return sink
+
+    sink = asyncio.run(body())
+    engine.shutdown()
+    assert [[g.blocks.shape[2] for g in out] for out in commands] == [[2, 1], [1]]
+    for out in commands:
+        for g in out:
+            assert isinstance(g, Gathered) and g.buffer is None     # CPU: no staging copy
+            assert g.blocks.data_ptr() != src.data_ptr()
+    assert sink.completed["r"] == (9, None)
+    for s, d in [(5, 1), (0, 2), (7, 3), (6, 4)]:
+        assert torch.equal(sink.kv[:, :, d], want[:, :, s]), (s, d)
+    assert len(threads["digest"]) == len(threads["encode"]) == 3
+    assert all(t.startswith("kv-grpc") for t in threads["digest"] + threads["encode"]), threads
 
 
 # ------------------------------------------------------------------------- torch transport
-def test_torch_transport_keeps_every_message_tensor_on_the_pool_device():
+def test_torch_transport_keeps_headers_on_the_host_and_payloads_on_the_pool_device():
     kv = torch.empty(shape(8), device=META)
     tensors = MessageTensors(LAYOUT, META)
-    header, meta, data, sums = tensors.outgoing(b"a KVChunk", kv, [1, 5])
+    out = tensors.outgoing(b"a KVChunk", kv, [1, 5])
+    (header, meta), (data, sums) = out.control, out.payload
     assert header.dtype == torch.int64 and header.shape == (3,) and meta.shape == (9,)
     assert data.shape == shape(2) and sums.shape == (2,) and sums.dtype == torch.int64
-    received = [tensors.header(), tensors.meta(9), tensors.data(3), tensors.sums(3),
-                tensors.goodbye()]
-    assert {t.device for t in [header, meta, data, sums, *received]} == {META}
-    assert received[2].shape == shape(3) and received[2].dtype == torch.float32
-    assert len(tensors.outgoing(b"last", kv, [])) == 2            # no blocks: no data tensor
-    assert len(tensors.outgoing(b"off", kv, [1], checksum=False)) == 3    # no checksums
+    assert out.ready is None                             # events only on CUDA
+    control = [header, meta, tensors.header(), tensors.meta(9), tensors.goodbye()]
+    assert {t.device.type for t in control} == {"cpu"}   # the gloo group's, on any pool
+    assert {t.device for t in [data, sums, tensors.data(3), tensors.sums(3)]} == {META}
+    assert tensors.data(3).shape == shape(3) and tensors.data(3).dtype == torch.float32
+    assert tensors.outgoing(b"last", kv, []).payload == []        # no blocks: no payload
+    assert len(tensors.outgoing(b"off", kv, [1], checksum=False).payload) == 1  # no checksums
 
     # the sender's channels and the receiver build their tensors for the pool's device
     async def devices():
@@ -224,12 +320,53 @@ def test_torch_transport_keeps_every_message_tensor_on_the_pool_device():
 def test_torch_message_header_and_meta_read_back_on_the_host():
     src = pool(4, seed=9)
     tensors = MessageTensors(LAYOUT, src.device)
-    header, meta, data, sums = tensors.outgoing(b"\x00meta\xff", src, [3])
+    out = tensors.outgoing(b"\x00meta\xff", src, [3])
+    (header, meta), (data, sums) = out.control, out.payload
     assert tensors.read_header(header) == (6, 1, True)
     assert tensors.read_meta(meta) == b"\x00meta\xff"
     assert torch.equal(data[:, :, 0], src[:, :, 3])
     assert sums.tolist() == block_checksums(src, [3]).tolist()
     assert tensors.read_header(tensors.goodbye())[0] < 0
+
+
+def test_a_torch_channel_stays_up_while_idle_longer_than_its_timeout():
+    """Between messages the receiving thread waits for the next header on the host, with no
+    operation posted (an NCCL receive posted there would trip the watchdog): a channel idle for
+    longer than the configured timeout still carries the next request, on the same groups.
+    A receiver closed while its channel is idle does not wait for it."""
+    import time
+
+    from kvtransfer import create_receiver
+
+    src = pool(8, seed=14)
+
+    async def body():
+        sink = MemorySink(LAYOUT, 8)
+        receiver = create_receiver("torch", sink, address=f"127.0.0.1:{free_port()}",
+                                   timeout_s=0.5)
+        sender = create_sender("torch", LAYOUT, kv=src, timeout_s=0.5)
+        try:
+            for rid, s, d, idle in [("a", [2], [1], 1.5), ("b", [6, 7], [4, 5], 0)]:
+                sink.reservations[rid] = d
+                await sender.send(rid, src, s, target(receiver, d), 3, None)
+                await asyncio.wait_for(sink.done.wait(), 10)
+                sink.done.clear()
+                await asyncio.sleep(idle)
+            t0 = time.monotonic()
+            await receiver.close()               # its channel's thread waits for a header
+            closed_in = time.monotonic() - t0
+        finally:
+            await sender.close()                 # the goodbye ends that thread
+        for thread in receiver._threads:
+            await asyncio.to_thread(thread.join, 10)
+        return sink, receiver, closed_in
+
+    sink, receiver, closed_in = asyncio.run(body())
+    assert set(sink.completed) == {"a", "b"} and not sink.rejected
+    for s, d in [(2, 1), (6, 4), (7, 5)]:
+        assert torch.equal(sink.kv[:, :, d], src[:, :, s]), (s, d)
+    assert len(receiver._threads) == 1 and not receiver._threads[0].is_alive()
+    assert closed_in < 1.0
 
 
 # ------------------------------------------------------------------ waiting for the device

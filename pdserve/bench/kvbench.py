@@ -12,7 +12,9 @@ Every transport runs with KV checksums (kvtransfer.integrity: the default, compu
 sender, verified by the receiver on its pool) and without ("<name> no checksum", both sides
 --kv-checksum off), against two receiver processes that take requests in turn (a receiver
 waits idle, reading its stdin, until its turn), so load from elsewhere falls on both alike; the
-row "checksum" is the checksum of one request's blocks on one side, in this process.
+row "checksum" is the checksum of one request's blocks on one side, in this process. "pool ms"
+is the time the sender's reads of the pool (`run_on_pool`: on a prefill worker, the engine
+thread, between its steps) take per request.
 
 Baselines: memcpy = copying the same bytes between two tensors in one process (the floor for
 any transport); TCP = the same bytes through one socket to the child; cma = the same regions
@@ -77,6 +79,9 @@ async def _receive(name: str, num_blocks: int, requests: int, checksum: bool) ->
                     return
                 await asyncio.sleep(0.0002)
             print(f"done r{i} {sink.completed_at[f'r{i}']!r} {_fingerprint(sink.kv)}", flush=True)
+        # the last call may not have had its reply yet (the sink completes the request first):
+        # keep serving until the parent is done (stdin closes)
+        await asyncio.to_thread(sys.stdin.read)
 
 
 def _fingerprint(kv: torch.Tensor) -> str:
@@ -124,13 +129,31 @@ def _line(child: subprocess.Popen, word: str) -> list[str]:
             return line.split()
 
 
+class _PoolClock:
+    """A sender's run_on_pool: fn on a worker thread, as without an engine, timed: what a prefill
+    engine's thread would spend on the transfer between its steps."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    async def __call__(self, fn, *args):
+        def timed():
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        return await asyncio.to_thread(timed)
+
+
 async def _send(name: str, src: torch.Tensor, chunk: int,
-                requests: int) -> dict[bool, list[float]]:
-    """-> request times with checksums (True) and without (False), the two taking turns."""
+                requests: int) -> tuple[dict[bool, list[float]], dict[bool, list[float]]]:
+    """-> request times with checksums (True) and without (False), the two taking turns, and
+    the pool's thread's seconds of each request."""
     from proto import pdserve_pb2 as pb
 
     n = src.shape[2]
-    children, targets, senders = {}, {}, {}
+    children, targets, senders, clocks = {}, {}, {}, {}
     try:
         for checksum in (True, False):
             children[checksum] = child = _spawn(
@@ -138,16 +161,21 @@ async def _send(name: str, src: torch.Tensor, chunk: int,
                 "--checksum", "on" if checksum else "off")
             targets[checksum] = target_from_pb(pb.KVDescriptor.FromString(
                 base64.b64decode(_line(child, "target")[1])))
-            senders[checksum] = create_sender(name, LAYOUT, kv=src, checksum=checksum)
+            clocks[checksum] = _PoolClock()
+            senders[checksum] = create_sender(name, LAYOUT, run_on_pool=clocks[checksum],
+                                              kv=src, checksum=checksum)
         times: dict[bool, list[float]] = {True: [], False: []}
+        pool: dict[bool, list[float]] = {True: [], False: []}
         for i in range(requests):
             for checksum in (True, False) if i % 2 == 0 else (False, True):
+                clocks[checksum].seconds = 0.0
                 times[checksum].append(await _request(
                     name, children[checksum], senders[checksum], targets[checksum], src, chunk,
                     f"r{i}"))
+                pool[checksum].append(clocks[checksum].seconds)
         for sender in senders.values():
             await sender.close()
-        return times
+        return times, pool
     finally:
         for child in children.values():
             child.stdin.close()
@@ -266,25 +294,32 @@ def run(args) -> dict:
     except OSError as exc:      # ptrace restrictions (Yama) or a kernel without CMA
         print(f"cma baseline skipped: {exc}")
     names = args.transports.split(",")
+    pool = {}
     for name in names:
-        times = asyncio.run(_send(name, src, args.chunk_blocks, args.repeat))
+        times, spent = asyncio.run(_send(name, src, args.chunk_blocks, args.repeat))
         results[name], results[f"{name} no checksum"] = times[True], times[False]
+        pool[name], pool[f"{name} no checksum"] = spent[True], spent[False]
     base = statistics.median(results["memcpy"])
     print(f"{num_blocks} blocks of {bb} bytes = {nbytes / (1 << 20):.1f} MiB per request, "
-          f"{args.repeat} requests, {args.chunk_blocks} blocks per send")
-    print(f"{'path':<22} {'median ms':>10} {'GB/s':>8} {'x memcpy':>9} {'checksum cost':>14}")
+          f"{args.repeat} requests, {args.chunk_blocks} blocks per send; pool ms: the time the "
+          "pool's thread (a prefill engine's) spends per request")
+    print(f"{'path':<22} {'median ms':>10} {'GB/s':>8} {'x memcpy':>9} {'checksum cost':>14} "
+          f"{'pool ms':>8}")
     summary = {}
     for name, times in results.items():
         med = statistics.median(times)
         summary[name] = {"median_s": med, "gb_per_s": nbytes / med / 1e9, "x_memcpy": med / base,
                          "times_s": times}
-        cost = ""
+        cost = spent = ""
         if name in names:
             off = statistics.median(results[f"{name} no checksum"])
             summary[name]["checksum_cost"] = med / off - 1
             cost = f"{(med / off - 1) * 100:+.1f}%"
+        if name in pool:
+            summary[name]["pool_s"] = statistics.median(pool[name])
+            spent = f"{summary[name]['pool_s'] * 1e3:.2f}"
         print(f"{name:<22} {med * 1e3:>10.2f} {nbytes / med / 1e9:>8.2f} {med / base:>9.2f} "
-              f"{cost:>14}")
+              f"{cost:>14} {spent:>8}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"bytes": nbytes, "blocks": num_blocks, "results": summary}, f, indent=1)
