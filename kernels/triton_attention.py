@@ -68,7 +68,11 @@ def plan_tiles(q_lens: list[int], block_q: int) -> tuple[list[int], list[int]]:
     return tile_seq, tile_start
 
 
-def num_splits_for(num_seqs: int, num_kv_heads: int, num_sms: int, max_splits: int = 16) -> int:
+MAX_SPLITS = 16     # most KV splits of a decode (the backend's split scratch holds them)
+
+
+def num_splits_for(num_seqs: int, num_kv_heads: int, num_sms: int,
+                   max_splits: int = MAX_SPLITS) -> int:
     """KV splits for a decode batch: 1 when num_seqs * num_kv_heads programs already give ~2 per SM,
     else enough splits to reach that, at most max_splits."""
     programs = max(num_seqs * num_kv_heads, 1)

@@ -27,9 +27,8 @@ import torch
 
 from engine.attention.base import AttentionBackend, BatchLayout
 from kernels import triton_attention as ta
+from kernels.triton_attention import MAX_SPLITS
 from kernels.triton_kv_store import store_kv
-
-MAX_SPLITS = 16
 
 
 @dataclass(frozen=True)
