@@ -32,7 +32,7 @@ import sys
 import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing import get_context
 
 import torch
@@ -76,6 +76,9 @@ class Launch:
 
 @dataclass
 class Row:
+    """A table row: one distinct launch (or a case that failed before launching), filled in by
+    compile_rows."""
+
     entry: str
     dtype: torch.dtype
     params: str
@@ -85,7 +88,6 @@ class Row:
     spills: int = 0
     shared: int = 0
     error: str = ""
-    notes: list[str] = field(default_factory=list)
 
     @property
     def failed(self) -> bool:
@@ -342,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = [r for r in rows if r.failed]
     for r in failed:
         print(f"\nFAIL {_kernel_name(r)} {DTYPE_NAMES[r.dtype]} {r.params}: "
-              f"{r.error or f'{r.spills} spilled registers'}")
+              f"{r.error or f'{r.spills} bytes of spill stores per thread'}")
     compiled = sum(r.launch is not None for r in rows)
     print(f"\n{compiled} distinct launches from {cases} cases, compiled for sm_{args.arch} in "
           f"{time.monotonic() - start:.0f} s with {args.jobs} processes: "

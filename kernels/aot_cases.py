@@ -65,7 +65,7 @@ FULL = Matrix((SMOLLM2_135M, LLAMA_8B), (torch.bfloat16, torch.float16, torch.fl
               (1, 2, 4, 8, 17, 33, 512), ("int8", "int8 group", "int4", "int4 zp", "int4 group",
                                           "int4 group zp"))
 QUICK = Matrix((SMOLLM2_135M, LLAMA_8B), (torch.bfloat16, torch.float16), (16,),
-               (1, 2, 16, 2048), (1, 2, 17, 512), ("int8", "int4 group zp"))
+               (1, 2, 16, 32, 64, 2048), (1, 2, 17, 512), ("int8", "int4 group zp"))
 
 
 def _phase(q_len: int) -> str:
@@ -99,7 +99,8 @@ def _attend(shape: ModelShape, dtype, block_size: int, q_len: int, num_splits: i
         block_tables=torch.empty(MAX_SEQS, NUM_BLOCKS, dtype=i32),
         seq_lens=torch.empty(MAX_SEQS, dtype=i32),
         query_start_loc=torch.empty(MAX_SEQS + 1, dtype=i32),
-        tile_seq=torch.empty(2 * MAX_SEQS, dtype=i32), tile_start=torch.empty(2 * MAX_SEQS, dtype=i32),
+        tile_seq=torch.empty(2 * MAX_SEQS, dtype=i32),
+        tile_start=torch.empty(2 * MAX_SEQS, dtype=i32),
         num_tiles=1, block_m=block_m, scale=shape.head_dim ** -0.5, num_splits=num_splits,
         partial_out=scratch[0] if split else None, partial_lse=scratch[1] if split else None)
 
@@ -179,7 +180,8 @@ SCHEMES = {"int8": (8, False, False), "int8 group": (8, True, False),
 
 def _projections(shape: ModelShape) -> list[tuple[str, int, int, bool]]:
     """(name, N, K, bias) of a decoder layer's linear layers; qkv with bias as Qwen2 has it."""
-    h, kvh, d, hid, i = shape.heads, shape.kv_heads, shape.head_dim, shape.hidden, shape.intermediate
+    h, kvh, d = shape.heads, shape.kv_heads, shape.head_dim
+    hid, i = shape.hidden, shape.intermediate
     qkv = (h + 2 * kvh) * d
     return [("qkv", qkv, hid, False), ("qkv+bias", qkv, hid, True), ("o", hid, h * d, False),
             ("gate_up", 2 * i, hid, False), ("down", hid, i, False)]
