@@ -255,7 +255,8 @@ def quant_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
         m, n, k, x2.stride(0), q.stride(0), y.stride(0), k // group if group else 1, p.k_split,
         BITS=bits, GROUP=group, HAS_OFFSET=offset is not None, HAS_BIAS=has_bias,
         SPLIT=p.split > 1, GEMV=p.gemv, IEEE=x.dtype == torch.float32, BLOCK_M=p.block_m,
-        BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=NUM_WARPS)
+        BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=NUM_WARPS,
+        num_stages=2 if p.block_m >= 32 else 3)
     if p.split > 1:
         _reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
             part, bias if has_bias else scale, y, m, n, y.stride(0), p.split, HAS_BIAS=has_bias,
