@@ -297,6 +297,18 @@ def use_cpu_kernel(choice: str, device: torch.device, head_dim: int, block_size:
     return choice == "avx2"
 
 
+def runnable_cpu_attention(head_dim: int, block_size: int, dtype: torch.dtype) -> list[str]:
+    """The forced --cpu-attention choices that run on this host for these shapes."""
+    ok = []
+    for choice in CPU_ATTENTION[1:]:
+        try:
+            use_cpu_kernel(choice, torch.device("cpu"), head_dim, block_size, dtype)
+        except ValueError:
+            continue
+        ok.append(choice)
+    return ok
+
+
 class TorchBackend(AttentionBackend):
     """Metadata built from the host's lists each step (AttentionMetadata); eager only."""
 

@@ -164,10 +164,10 @@ def _measure(args, eng: Engine, new: int) -> dict:
 
 def cpu_paths() -> list[tuple[str, str]]:
     """(linear method, cpu attention) pairs this host runs for the fp32 model on its CPU."""
+    from engine.attention.torch_backend import runnable_cpu_attention
     from engine.layers.linear import runnable_linear_methods
-    from kernels import cpu_attention
 
-    attn = ["avx2", "sdpa"] if cpu_attention.available() else ["sdpa"]
+    attn = runnable_cpu_attention(64, 16, torch.float32)
     return [(lin, a) for lin in runnable_linear_methods(torch.device("cpu"), torch.float32)
             for a in attn]
 
