@@ -17,8 +17,8 @@ from engine.request import Request, RequestOutput
 from kvtransfer import TransferTarget, create_receiver
 from kvtransfer.connector import EngineSink
 from kvtransfer.wire import logprob_to_pb, target_to_pb
-from pdserve.metrics import WorkerMetrics
-from pdserve.worker import (ADMISSION_ERRORS, Grammars, WorkerIdentity, output_error_code, refuse,
+from cluster.metrics import WorkerMetrics
+from serving.worker import (ADMISSION_ERRORS, Grammars, WorkerIdentity, output_error_code, refuse,
                             sampling_from_pb, serve, worker_stats)
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc

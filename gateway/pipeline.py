@@ -36,8 +36,8 @@ from gateway.errors import GatewayError
 from gateway.params import PreparedRequest
 from gateway.router import PrefillTicket, Router
 from gateway.tokenizer import Tokenizer
-from pdserve.metrics import GatewayMetrics
-from pdserve.registry import WorkerInfo
+from cluster.metrics import GatewayMetrics
+from cluster.registry import WorkerInfo
 from proto import pdserve_pb2, pdserve_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Worker discovery and choice.
 
-A background task polls the Redis registry (pdserve.registry.list_workers) every `poll_s`. If
+A background task polls the Redis registry (cluster.registry.list_workers) every `poll_s`. If
 Redis is unreachable the last known list stays in use (logged once, and once when it is back);
 so it does for a few seconds when Redis suddenly lists no worker at all (a restart).
 
@@ -11,7 +11,7 @@ config.json) is refused whatever its age, so no registration can impose another 
 among the others the reference is the live worker that registered first (smallest started_at,
 then id), so every gateway replica agrees on it without coordination; workers that differ are
 refused with a warning naming both layouts. Registrations not signed with the deployment token
-never get this far (pdserve.registry.list_workers).
+never get this far (cluster.registry.list_workers).
 
 Choice (--routing):
 - `prefix` (default): the prompt's full blocks are hashed (engine.block_hash, with the
@@ -41,9 +41,9 @@ import redis.asyncio as aioredis
 
 from engine.block_hash import BlockHasher, salt_bytes
 from gateway.errors import GatewayError
-from pdserve import cluster_auth
-from pdserve.prefix_directory import cached_prefix_blocks, directory_sizes
-from pdserve.registry import ROLES, WorkerInfo, cancel_task, connect, list_workers, redacted
+from cluster import auth as cluster_auth
+from cluster.prefix_directory import cached_prefix_blocks, directory_sizes
+from cluster.registry import ROLES, WorkerInfo, cancel_task, connect, list_workers, redacted
 
 log = logging.getLogger(__name__)
 

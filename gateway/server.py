@@ -27,10 +27,10 @@ from gateway.params import RequestPreparer, ServedModel
 from gateway.pipeline import Pipeline, PipelineConfig
 from gateway.router import CHANNEL_OPTIONS, Router
 from gateway.tokenizer import Tokenizer
-from pdserve import cluster_auth
-from pdserve.metrics import GatewayMetrics
-from pdserve.paths import resolve_model
-from pdserve.registry import configure_redis, redacted
+from cluster import auth as cluster_auth
+from cluster.metrics import GatewayMetrics
+from cluster.paths import resolve_model
+from cluster.registry import configure_redis, redacted
 
 log = logging.getLogger(__name__)
 

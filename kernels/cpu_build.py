@@ -26,7 +26,7 @@ AVX2_FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-sha
 
 
 def cache_dir() -> Path:
-    """PDSERVE_KERNEL_CACHE, else the same cache root as pdserve.paths.cache_dir() (which this
+    """PDSERVE_KERNEL_CACHE, else the same cache root as cluster.paths.cache_dir() (which this
     package may not import) + /kernels."""
     for env, sub in (("PDSERVE_KERNEL_CACHE", ""), ("PDSERVE_CACHE", "kernels")):
         if os.environ.get(env):

@@ -55,7 +55,7 @@ def mismatch(kv: torch.Tensor, block_ids: list[int], claimed: list[int]) -> str 
 class EngineSink:
     """A decode engine's KVSink. `refused(request_id, message)` is what becomes of a request
     whose KV was rejected (the decode service's --kv-load-failure policy); `transfers` counts
-    (pdserve.metrics.TransferMetrics)."""
+    (cluster.metrics.TransferMetrics)."""
 
     def __init__(self, aengine: AsyncEngine, transfers,
                  refused: Callable[[str, str], Awaitable[None]]) -> None:

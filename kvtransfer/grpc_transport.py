@@ -21,7 +21,7 @@ the sender's device from the gathered blocks (CUDA: queued behind the gather and
 the blocks; CPUs: on the sender's thread, from its gathered copy); the receiver holds every
 message to the request's reservation (kvtransfer.integrity.Intake) before writing, and checks the
 checksums on its pool once the last message is in. Calls carry the deployment token
-(pdserve.cluster_auth), which the worker's server checks.
+(cluster.auth), which the worker's server checks.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from kvtransfer.integrity import Intake, Refused, checksums
 from kvtransfer.staging import Gathered, HostStaging
 from kvtransfer.wire import (chunk_bytes, completion_chunk, first_logprob_of, layout_from_pb,
                              layout_to_pb, tensor_from_bytes)
-from pdserve import cluster_auth
+from cluster import auth as cluster_auth
 from proto import pdserve_pb2 as pb
 
 MAX_MESSAGE = 256 << 20

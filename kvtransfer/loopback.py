@@ -16,7 +16,7 @@ from engine.request import TokenLogprob
 from kvtransfer.base import KVReceiver, create_receiver
 from kvtransfer.connector import mismatch
 from kvtransfer.staging import HostStaging
-from pdserve import cluster_auth
+from cluster import auth as cluster_auth
 from proto import pdserve_pb2_grpc as pb_grpc
 
 

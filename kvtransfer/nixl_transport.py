@@ -54,7 +54,7 @@ from kvtransfer.base import (KVReceiver, KVSender, KVSendStream, KVSink, KVTrans
 from kvtransfer.integrity import Intake, Refused, block_checksums, host_values
 from kvtransfer.wire import (chunk_from_bytes, completion_chunk, first_logprob_of,
                              layout_from_pb, notice_fields)
-from pdserve import cluster_auth
+from cluster import auth as cluster_auth
 from proto import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)

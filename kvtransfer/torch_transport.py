@@ -75,7 +75,7 @@ from kvtransfer.base import (KVReceiver, KVSender, KVSendStream, KVSink, KVTrans
 from kvtransfer.integrity import Intake, Refused, checksums
 from kvtransfer.staging import host_to_device, recorded, use_own_stream, wait_for
 from kvtransfer.wire import completion_chunk, first_logprob_of, layout_from_pb, layout_to_pb
-from pdserve import cluster_auth
+from cluster import auth as cluster_auth
 from proto import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from pdserve.paths import resolve_model
+from cluster.paths import resolve_model
 
 log = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve import health
-from pdserve.paths import resolve_model
+from cluster import health
+from cluster.paths import resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -342,7 +342,7 @@ class Chaos:
         """Blocks still referenced and requests still running on each worker, after a settle."""
         import grpc
 
-        from pdserve.cluster_auth import ClusterAuth
+        from cluster.auth import ClusterAuth
         from proto import pdserve_pb2 as pb
         from proto import pdserve_pb2_grpc as pb_grpc
 

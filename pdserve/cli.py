@@ -9,7 +9,7 @@ import logging
 import shlex
 import sys
 
-from pdserve.paths import default_model_dir
+from cluster.paths import default_model_dir
 
 # engine.config.QUANTIZATION_CHOICES (written out here: --help does not import torch)
 QUANTIZATION_CHOICES = ["none", "int8", "gptq", "awq", "compressed-tensors", "w4a16", "w8a8"]

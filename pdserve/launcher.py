@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from pdserve import health
+from cluster import health
 from pdserve.cli import long_flag, passthrough_actions
-from pdserve.paths import default_model_dir, resolve_model
+from cluster.paths import default_model_dir, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class _Stop(Exception):
 
 def _loggable(cmd: list[str]) -> list[str]:
     """A command line as the log shows it: Redis URLs without their password, no key values."""
-    from pdserve.registry import redacted
+    from cluster.registry import redacted
 
     out = []
     for arg in cmd:
@@ -148,7 +148,7 @@ def _start_redis(stack: Stack, port: int) -> str:
                          "(or pass --redis-url to use a running Redis)")
     import redis
 
-    from pdserve.registry import PASSWORD_ENV
+    from cluster.registry import PASSWORD_ENV
 
     url = f"redis://127.0.0.1:{port}/0"
     stack.tmpdir = Path(tempfile.mkdtemp(prefix="pdserve-redis-"))
@@ -273,7 +273,7 @@ def child_commands(args, model: Path, redis_url: str,
 
 def _deployment_token(args) -> None:
     """Make the stack's token unless one is given (children inherit the environment)."""
-    from pdserve.cluster_auth import ENV_VAR
+    from cluster.auth import ENV_VAR
 
     if not getattr(args, "cluster_token_file", None) and not os.environ.get(ENV_VAR):
         os.environ[ENV_VAR] = secrets.token_urlsafe(32)
@@ -401,7 +401,7 @@ class GatewayProbe:
 
 
 def _banner(args, model: Path, redis_url: str, probe: GatewayProbe) -> str:
-    from pdserve.registry import redacted
+    from cluster.registry import redacted
 
     name = args.served_model_name or model.name
     tls = probe.context is not None

@@ -22,7 +22,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from pdserve.paths import default_model_dir
+from cluster.paths import default_model_dir
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from engine.request import Request
 from kvtransfer import (KVTransferError, LayoutMismatch, block_bytes, check_layout,
                         create_sender)
 from kvtransfer.wire import target_from_pb
-from pdserve.metrics import WorkerMetrics
-from pdserve.worker import (ADMISSION_ERRORS, Grammars, WorkerIdentity, output_error_code, refuse,
+from cluster.metrics import WorkerMetrics
+from serving.worker import (ADMISSION_ERRORS, Grammars, WorkerIdentity, output_error_code, refuse,
                             sampling_from_pb, serve, worker_stats)
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc

@@ -96,7 +96,7 @@ def private_redis(tmp_path):
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     """The default model folder (SmolLM2-135M-Instruct); skips when it has not been fetched."""
-    from pdserve.paths import default_model_dir
+    from cluster.paths import default_model_dir
 
     path = default_model_dir()
     if not (path / ".pdserve-complete").is_file():

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve import health
+from cluster import health
 
 ROOT = Path(__file__).resolve().parent.parent
 

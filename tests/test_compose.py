@@ -245,7 +245,7 @@ def _check_layout(config: dict, layout: dict[str, tuple[str, int]], gpus: list[s
         port = PORTS[role]
         assert svc["expose"] == [port]
         assert svc["healthcheck"] == {
-            "test": ["CMD", "python", "-m", "pdserve.health", "grpc", f"127.0.0.1:{port}"],
+            "test": ["CMD", "python", "-m", "cluster.health", "grpc", f"127.0.0.1:{port}"],
             "interval": "10s", "timeout": "5s", "start_period": "2m", "retries": 5}
     # One worker per GPU, every GPU used: disaggregation, not sharing.
     used = sorted(gpu for _, gpu in layout.values())

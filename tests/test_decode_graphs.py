@@ -17,7 +17,7 @@ from engine.cuda_graphs import DecodeGraphs, graph_buckets
 from engine.engine import Engine
 from engine.request import Request, SamplingParams
 from pdserve.launcher import place_workers
-from pdserve.worker import resolve_device_defaults
+from serving.worker import resolve_device_defaults
 from tests.test_model_parity import make_model
 
 

@@ -16,8 +16,8 @@ import httpx
 import pytest
 import redis
 
-from pdserve.cluster_auth import ClusterAuth
-from pdserve.registry import KEY_PREFIX, WorkerInfo, WorkerRegistration, list_workers, redacted
+from cluster.auth import ClusterAuth
+from cluster.registry import KEY_PREFIX, WorkerInfo, WorkerRegistration, list_workers, redacted
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from tests.stack import Stack, standard_stack, wait_until
@@ -134,7 +134,7 @@ def tls_redis(certs, tmp_path):
 
 def test_registrations_over_tls_redis_with_a_password_and_only_signed_ones_count(
         tls_redis, certs, tmp_path, monkeypatch):
-    from pdserve import registry
+    from cluster import registry
 
     password_file = tmp_path / "redis-password"
     password_file.write_text(REDIS_PASSWORD + "\n")

@@ -17,7 +17,7 @@ import grpc
 import httpx
 import pytest
 
-from pdserve import health
+from cluster import health
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from tests.stack import standard_stack, wait_until

@@ -108,7 +108,7 @@ def test_a_grammar_is_advanced_through_the_resumed_tokens(model_dir):
     worker's Grammars.attach advances the matcher); tokens the grammar refuses are an error."""
     from engine.config import EngineConfig
     from gateway.tokenizer import Tokenizer
-    from pdserve.worker import Grammars
+    from serving.worker import Grammars
 
     eng = Engine(model_dir, EngineConfig(role="decode", num_blocks=64, block_size=16,
                                          max_num_batched_tokens=128, max_num_seqs=4))

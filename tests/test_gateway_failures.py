@@ -14,7 +14,7 @@ import httpx
 import pytest
 import redis
 
-from pdserve.registry import KEY_PREFIX
+from cluster.registry import KEY_PREFIX
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from tests.stack import standard_stack

@@ -19,8 +19,8 @@ from gateway.params import Prompt, RawParams, RequestPreparer, ServedModel
 from gateway.pipeline import Pipeline, PipelineConfig
 from gateway.router import Route
 from gateway.tokenizer import Tokenizer
-from pdserve.metrics import GatewayMetrics
-from pdserve.registry import WorkerInfo
+from cluster.metrics import GatewayMetrics
+from cluster.registry import WorkerInfo
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 

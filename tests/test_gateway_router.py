@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 
 from gateway.errors import GatewayError
 from gateway.router import Router
-from pdserve.registry import KEY_PREFIX, WorkerInfo
+from cluster.registry import KEY_PREFIX, WorkerInfo
 
 BASE = WorkerInfo(id="w", role="decode", address="127.0.0.1:1", model="m", block_size=16,
                   hash_seed=0, dtype="float32", num_layers=2, num_kv_heads=2, head_dim=8,

@@ -117,7 +117,7 @@ def test_the_engine_sink_writes_only_live_loads_and_checks_before_the_request_ru
     from engine.async_engine import AsyncEngine
     from kvtransfer.connector import EngineSink
     from kvtransfer.integrity import checksums
-    from pdserve.metrics import WorkerMetrics
+    from cluster.metrics import WorkerMetrics
 
     engine = _decode_engine(model_dir)
     data = _two_blocks(engine, seed=3)
@@ -192,7 +192,7 @@ def test_writes_past_the_bound_wait_their_turn_and_the_request_runs_on_them(mode
     import kvtransfer.connector as connector
     from engine.async_engine import AsyncEngine
     from kvtransfer.integrity import checksums
-    from pdserve.metrics import WorkerMetrics
+    from cluster.metrics import WorkerMetrics
 
     monkeypatch.setattr(connector, "MAX_PENDING_BYTES", 1)     # every write waits for the last
     engine = _decode_engine(model_dir)

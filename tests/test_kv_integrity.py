@@ -27,7 +27,7 @@ from kvtransfer.loopback import MemorySink, receiving
 from kvtransfer.staging import HostStaging
 from kvtransfer.torch_transport import MessageTensors
 from kvtransfer.wire import completion_chunk, layout_to_pb, notice_fields
-from pdserve import cluster_auth
+from cluster import auth as cluster_auth
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from tests.conftest import free_port
@@ -466,8 +466,8 @@ def test_corrupted_kv_fails_the_request_or_is_recomputed(model_dir, policy):
     from engine.config import EngineConfig
     from engine.engine import Engine
     from kvtransfer.wire import target_from_pb
-    from pdserve.metrics import WorkerMetrics
-    from pdserve.worker import WorkerIdentity
+    from cluster.metrics import WorkerMetrics
+    from serving.worker import WorkerIdentity
 
     engine = Engine(model_dir, EngineConfig(role="decode", num_blocks=16, block_size=4,
                                             max_num_batched_tokens=16))

@@ -164,7 +164,7 @@ def test_grpc_sender_and_decode_sink_move_blocks_through_staging(model_dir):
     from engine.engine import Engine
     from engine.request import Request, SamplingParams
     from kvtransfer import create_sender
-    from pdserve.metrics import WorkerMetrics
+    from cluster.metrics import WorkerMetrics
 
     engine = Engine(model_dir, EngineConfig(role="decode", num_blocks=16, block_size=4,
                                             max_num_batched_tokens=16))

@@ -1,4 +1,8 @@
-"""The dependency rules of ARCHITECTURE.md, checked on the source (imports parsed with ast)."""
+"""The floors of ARCHITECTURE.md, checked on the source (imports parsed with ast).
+
+Each package of ours lives on a floor and imports only packages on floors below it, never a
+neighbour on its own floor; the torch-free packages import nothing that imports torch; and no
+module of ours reaches itself through its imports (an import circle), lazy imports included."""
 
 from __future__ import annotations
 
@@ -10,47 +14,156 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-OURS = {"engine", "kernels", "kvtransfer", "prefill_service", "decode_service", "gateway",
-        "proto", "pdserve"}
 
-# package -> top-level modules it must never import
-FORBIDDEN = {
-    "engine": {"grpc", "redis", "proto", "kvtransfer", "prefill_service", "decode_service",
-               "gateway", "pdserve", "fastapi"},
-    "kernels": OURS - {"kernels"} | {"grpc", "redis"},
-    "kvtransfer": {"prefill_service", "decode_service", "gateway", "redis"},
-    "gateway": {"torch", "transformers", "engine", "kernels", "kvtransfer", "prefill_service",
-                "decode_service", "safetensors", "triton"},
-    "prefill_service": {"gateway", "decode_service"},
-    "decode_service": {"gateway", "prefill_service"},
-}
+# Bottom to top. A package imports only packages on lower floors.
+FLOORS = [
+    ("kernels", "proto"),
+    ("engine", "cluster"),               # compute beside the torch-free deployment floor
+    ("kvtransfer", "gateway"),
+    ("serving",),                        # what both workers share
+    ("prefill_service", "decode_service"),
+    ("pdserve",),                        # the CLI, launcher, benchmarks and tools
+]
+FLOOR = {pkg: i for i, floor in enumerate(FLOORS) for pkg in floor}
+OURS = set(FLOOR)
 
+# Torch-free: the gateway starts fast and scales out cheaply; the cluster floor is shared by it.
+TORCH_FREE = {"proto", "cluster", "gateway"}
+TORCH = {"torch", "transformers", "safetensors", "triton", "numpy", "xgrammar", "nixl"}
+# The compute floors never talk to the network or the deployment's services.
+NO_NETWORK = {"engine", "kernels"}
+NETWORK = {"grpc", "grpc_health", "redis", "fastapi", "uvicorn", "prometheus_client", "httpx"}
 
 # The one torch-free engine module the gateway and the Redis directory share (ARCHITECTURE.md).
 SHARED = {"engine.block_hash"}
 
 
+def _sources(package: str):
+    for f in sorted((ROOT / package).rglob("*.py")):
+        if not f.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+            yield f
+
+
+def _imported_names(tree: ast.AST, package: str) -> set[str]:
+    """Dotted names a module imports, relative imports resolved against its package."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            names.add(base)
+            names |= {f"{base}.{a.name}" for a in node.names}
+    return names
+
+
 def imports_of(package: str) -> dict[str, set[str]]:
+    """file -> the top-level packages it imports (SHARED modules left out)."""
     out = {}
-    for f in (ROOT / package).rglob("*.py"):
-        if f.name.endswith(("_pb2.py", "_pb2_grpc.py")):
-            continue
-        mods = set()
-        for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.Import):
-                mods |= {a.name.split(".")[0] for a in node.names if a.name not in SHARED}
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                if node.module not in SHARED:
-                    mods.add(node.module.split(".")[0])
-        out[str(f.relative_to(ROOT))] = mods
+    for f in _sources(package):
+        mod = ".".join(f.relative_to(ROOT).with_suffix("").parts)
+        pkg = mod.removesuffix(".__init__") if f.name == "__init__.py" else mod.rpartition(".")[0]
+        names = _imported_names(ast.parse(f.read_text()), pkg)
+        out[str(f.relative_to(ROOT))] = {n.split(".")[0] for n in names
+                                         if n and n not in SHARED and not n.startswith(
+                                             tuple(s + "." for s in SHARED))}
     return out
 
 
-@pytest.mark.parametrize("package", sorted(FORBIDDEN))
-def test_dependencies_point_one_way(package):
-    bad = {f: sorted(m & FORBIDDEN[package]) for f, m in imports_of(package).items()
-           if m & FORBIDDEN[package]}
-    assert not bad, f"{package} imports what it must not: {bad}"
+def _forbidden(package: str) -> set[str]:
+    bad = {p for p in OURS if p != package and FLOOR[p] >= FLOOR[package]}
+    if package in TORCH_FREE:
+        bad |= TORCH | (OURS - TORCH_FREE)
+    if package in NO_NETWORK:
+        bad |= NETWORK
+    return bad
+
+
+@pytest.mark.parametrize("package", sorted(OURS))
+def test_imports_point_down(package):
+    forbidden = _forbidden(package)
+    bad = {f: sorted(m & forbidden) for f, m in imports_of(package).items() if m & forbidden}
+    assert not bad, f"{package} imports what it must not (ARCHITECTURE.md, floors): {bad}"
+
+
+def test_every_package_has_a_floor():
+    pkgs = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    assert pkgs == OURS, f"packages without a floor here or missing: {pkgs ^ OURS}"
+
+
+def _module_graph() -> dict[str, set[str]]:
+    files = {}
+    for package in sorted(OURS):
+        for f in _sources(package):
+            mod = ".".join(f.relative_to(ROOT).with_suffix("").parts)
+            files[mod.removesuffix(".__init__")] = f
+
+    def ours(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for mod, f in files.items():
+        pkg = mod if f.name == "__init__.py" else mod.rpartition(".")[0]
+        deps = {ours(n) for n in _imported_names(ast.parse(f.read_text()), pkg)}
+        graph[mod] = {d for d in deps if d and d != mod}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    top = stack.pop()
+                    on_stack.discard(top)
+                    comp.append(top)
+                    if top == node:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
+
+
+def test_circle_finder_finds_a_circle():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circles():
+    found = circles(_module_graph())
+    assert not found, f"import circles (break each by moving the shared piece down): {found}"
 
 
 def test_shared_hash_module_is_standard_library_only():
@@ -65,7 +178,7 @@ def test_shared_hash_module_is_standard_library_only():
 
 
 def test_gateway_starts_without_torch():
-    code = ("import sys, gateway.server, pdserve.cli, pdserve.registry; "
+    code = ("import sys, gateway.server, pdserve.cli, cluster.registry, cluster.metrics; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers') "
             "or m.startswith('engine.') and m not in %r]; "
             "assert not bad, bad" % (SHARED,))

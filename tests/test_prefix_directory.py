@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 
 from engine.block_hash import EVICTED, STORED, BlockHasher
 from gateway.router import Router
-from pdserve.prefix_directory import (DirectoryPublisher, blocks_key, cached_prefix_blocks,
+from cluster.prefix_directory import (DirectoryPublisher, blocks_key, cached_prefix_blocks,
                                       seq_key)
 from tests.test_gateway_router import register, worker
 

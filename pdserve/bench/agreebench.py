@@ -19,7 +19,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from pdserve.gpucheck import engine_generate, engine_logits
-from pdserve.paths import resolve_model
+from cluster.paths import resolve_model
 
 PROMPTS = [
     "What is the capital of Australia, and why was it chosen?",

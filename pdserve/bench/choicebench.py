@@ -20,7 +20,7 @@ import time
 import httpx
 
 from pdserve.bench.workloads import PromptMaker
-from pdserve.paths import default_model_dir
+from cluster.paths import default_model_dir
 
 
 def _metric(text: str, name: str) -> float:

@@ -320,7 +320,7 @@ def run(args) -> dict:
     from transformers import AutoTokenizer
 
     from engine.config import ModelConfig
-    from pdserve.paths import resolve_model
+    from cluster.paths import resolve_model
 
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_dir(model_dir)

@@ -22,7 +22,7 @@ from engine.config import ModelConfig
 from engine.layers.linear import (Avx2Method, DenseMethod, LinearMethod, OneDnnMethod,
                                   onednn_available, packed_copy)
 from kernels import cpu_linear
-from pdserve.paths import resolve_model
+from cluster.paths import resolve_model
 
 
 def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:

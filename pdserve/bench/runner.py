@@ -30,7 +30,7 @@ from pdserve.bench.client import request_body, send
 from pdserve.bench.stats import SLO, RequestResult, summarize
 from pdserve.bench.workloads import (Prompt, PromptMaker, code_edit_prompts, poisson_arrivals,
                                      random_prompts, shared_prefix_prompts)
-from pdserve.paths import default_model_dir
+from cluster.paths import default_model_dir
 
 WORKLOADS = ("random", "shared-prefix", "long-burst", "code-edit")
 LONG_POOL = 32        # long prompts prepared when --num-long is 0

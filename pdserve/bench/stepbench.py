@@ -34,7 +34,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.layers.linear import Linear
 from engine.request import Request, SamplingParams
-from pdserve.paths import resolve_model
+from cluster.paths import resolve_model
 
 WARMUP = 3
 ENDLESS_SCHEMA = {"type": "array", "items": {"type": "string"}, "minItems": 10000}

@@ -6,7 +6,7 @@ Layout in Redis::
                                         dtype, num_layers, num_kv_heads, head_dim, total_blocks,
                                         tensor_parallel_size, running, waiting, free_blocks, started_at,
                                         expires_at, sig (HMAC of the other fields and the
-                                        key with the deployment token: pdserve.cluster_auth)
+                                        key with the deployment token: cluster.auth)
                                  TTL    ttl_s, refreshed by every heartbeat
 
 A worker whose process dies stops refreshing, and its key disappears after ttl_s seconds. The
@@ -32,8 +32,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 
-from pdserve.cluster_auth import ClusterAuth
-from pdserve.cluster_auth import current as cluster_auth
+from cluster.auth import ClusterAuth
+from cluster.auth import current as cluster_auth
 
 log = logging.getLogger(__name__)
 

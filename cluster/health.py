@@ -3,8 +3,8 @@
 Workers answer the standard gRPC health service (`grpc.health.v1.Health/Check`, service "");
 the gateway answers `GET /health` with 200. Torch-free.
 
-    python -m pdserve.health grpc 127.0.0.1:50061      # exit 0 when SERVING
-    python -m pdserve.health http http://127.0.0.1:8000/health
+    python -m cluster.health grpc 127.0.0.1:50061      # exit 0 when SERVING
+    python -m cluster.health http http://127.0.0.1:8000/health
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def http_ok(url: str, timeout_s: float = 2.0) -> bool:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2 or argv[0] not in ("grpc", "http"):
-        print("usage: python -m pdserve.health grpc HOST:PORT | http URL", file=sys.stderr)
+        print("usage: python -m cluster.health grpc HOST:PORT | http URL", file=sys.stderr)
         return 2
     ok = grpc_serving(argv[1]) if argv[0] == "grpc" else http_ok(argv[1])
     return 0 if ok else 1

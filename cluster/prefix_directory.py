@@ -29,7 +29,7 @@ from typing import Iterable
 import redis.asyncio as aioredis
 
 from engine.block_hash import STORED
-from pdserve.registry import RedisPeriodic
+from cluster.registry import RedisPeriodic
 
 log = logging.getLogger(__name__)
 

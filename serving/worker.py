@@ -17,10 +17,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.async_engine import EngineDead, Overloaded
-from pdserve import cluster_auth
-from pdserve.paths import resolve_model
-from pdserve.prefix_directory import DirectoryPublisher
-from pdserve.registry import WorkerInfo, WorkerRegistration, configure_redis
+from cluster import auth as cluster_auth
+from cluster.paths import resolve_model
+from cluster.prefix_directory import DirectoryPublisher
+from cluster.registry import WorkerInfo, WorkerRegistration, configure_redis
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ async def serve(args, role: str, add_services: Callable) -> None:
     """
     from engine.async_engine import AsyncEngine
 
-    from pdserve.metrics import WorkerMetrics
+    from cluster.metrics import WorkerMetrics
 
     auth = cluster_auth.configure(getattr(args, "cluster_token_file", None))
     configure_redis(getattr(args, "redis_password_file", None),
