@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -16,6 +16,7 @@ from engine.attention.base import BatchLayout
 from engine.block_hash import BlockHasher
 from engine.block_pool import BlockPool, KVCacheManager
 from engine.config import EngineConfig, ModelConfig, parse_speculative
+from engine.kv_layout import KVLayout
 from engine.model_runner import ModelRunner, StepInputs, StepResult
 from engine.parallel import (check_split, init_group, rank_device, start_followers,
                              stop_followers)
@@ -26,21 +27,6 @@ from engine.spec import DraftProposer, NgramProposer, Proposal, SpecController, 
 from engine.spec.verify import accept_greedy
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """The shape of one block across the pool; both ends of a KV transfer must agree on it, all
-    but `tensor_parallel_size`: on the wire a block always holds every KV head in order, and each
-    side's rank 0 assembles them from (or splits them to) its ranks, rank r holding heads
-    engine.parallel.head_range(num_kv_heads, tensor_parallel_size, r)."""
-
-    dtype: str
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    tensor_parallel_size: int = field(default=1, compare=False)
 
 
 @dataclass

@@ -41,7 +41,7 @@ from typing import Awaitable, Callable, Protocol
 import torch
 
 from engine.config import DTYPES
-from engine.engine import KVLayout
+from engine.kv_layout import KVLayout
 from engine.request import TokenLogprob
 
 

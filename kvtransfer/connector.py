@@ -28,7 +28,7 @@ from typing import Awaitable, Callable
 import torch
 
 from engine.async_engine import AsyncEngine, EngineDead
-from engine.engine import KVLayout
+from engine.kv_layout import KVLayout
 from engine.parallel import RankFailure
 from engine.request import TokenLogprob
 from kvtransfer.base import block_bytes

@@ -33,7 +33,7 @@ import contextlib
 import grpc
 import torch
 
-from engine.engine import KVLayout
+from engine.kv_layout import KVLayout
 from engine.request import TokenLogprob
 from kvtransfer.base import (KVReceiver, KVSender, KVSendStream, KVSink, KVTransferError,
                              LayoutMismatch, TransferTarget, block_bytes, check_layout)

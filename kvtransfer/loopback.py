@@ -11,7 +11,7 @@ import grpc
 import torch
 
 from engine.config import DTYPES
-from engine.engine import KVLayout
+from engine.kv_layout import KVLayout
 from engine.request import TokenLogprob
 from kvtransfer.base import KVReceiver, create_receiver
 from kvtransfer.connector import mismatch

@@ -47,7 +47,7 @@ import time
 
 import torch
 
-from engine.engine import KVLayout
+from engine.kv_layout import KVLayout
 from engine.request import TokenLogprob
 from kvtransfer.base import (KVReceiver, KVSender, KVSendStream, KVSink, KVTransferError,
                              TransferTarget, block_bytes, check_layout, poll_until)

@@ -68,7 +68,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import DTYPES
-from engine.engine import KVLayout
+from engine.kv_layout import KVLayout
 from engine.request import TokenLogprob
 from kvtransfer.base import (KVReceiver, KVSender, KVSendStream, KVSink, KVTransferError,
                              TransferTarget, block_bytes, check_layout, poll_until)

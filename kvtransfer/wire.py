@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import DTYPES
-from engine.engine import KVLayout
+from engine.kv_layout import KVLayout
 from engine.request import TokenLogprob
 from kvtransfer import staging
 from kvtransfer.base import TransferTarget

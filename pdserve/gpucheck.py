@@ -611,7 +611,7 @@ async def _grpc_roundtrip(dev):
 
     import torch
 
-    from engine.engine import KVLayout
+    from engine.kv_layout import KVLayout
     from kvtransfer.base import TransferTarget, create_sender
     from kvtransfer.loopback import MemorySink, receiving
 

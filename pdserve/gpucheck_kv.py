@@ -175,7 +175,7 @@ BLOCKS = 32
 
 
 def _layout(dev: torch.device):
-    from engine.engine import KVLayout
+    from engine.kv_layout import KVLayout
 
     return KVLayout(**dict(LAYOUT, dtype="bfloat16" if dev.type == "cuda" else "float32"))
 

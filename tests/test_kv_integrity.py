@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from engine.config import DTYPES
-from engine.engine import KVLayout
+from engine.kv_layout import KVLayout
 from kvtransfer import KVTransferError, TransferTarget, block_bytes, create_sender
 from kvtransfer import integrity
 from kvtransfer.grpc_transport import GrpcKVSender

@@ -10,7 +10,7 @@ import contextlib
 import pytest
 import torch
 
-from engine.engine import KVLayout
+from engine.kv_layout import KVLayout
 from engine.request import TokenLogprob
 from kvtransfer import KVTransferError, LayoutMismatch, TransferTarget, create_sender
 from kvtransfer.loopback import MemorySink, receiving

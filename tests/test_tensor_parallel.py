@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.engine import Engine, KVLayout
+from engine.engine import Engine
+from engine.kv_layout import KVLayout
 from engine.layers.linear import linear_method_for
 from engine.parallel import check_split, head_range
 from engine.request import Request, SamplingParams

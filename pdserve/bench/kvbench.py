@@ -41,7 +41,7 @@ import time
 
 import torch
 
-from engine.engine import KVLayout
+from engine.kv_layout import KVLayout
 from kvtransfer.base import block_bytes, create_sender
 from kvtransfer.integrity import block_checksums
 from kvtransfer.wire import target_from_pb, target_to_pb
