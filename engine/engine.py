@@ -18,13 +18,13 @@ from engine.block_pool import BlockPool, KVCacheManager
 from engine.config import EngineConfig, ModelConfig, parse_speculative
 from engine.kv_layout import KVLayout
 from engine.model_runner import ModelRunner, StepInputs, StepResult
-from engine.parallel import (check_split, init_group, rank_device, start_followers,
-                             stop_followers)
+from engine.parallel import check_split
 from engine.request import MAX_CHOICES, Request, RequestOutput, Status, TokenLogprob
 from engine.sampler import RowSampling
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec import DraftProposer, NgramProposer, Proposal, SpecController, verify
 from engine.spec.verify import accept_greedy
+from engine.tp_ranks import Ranks, start_runner
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +71,12 @@ class Engine:
             raise ValueError("a draft model's KV pool is not budgeted when the pool is sized "
                              "from GPU memory: give --kv-cache-gib or --num-blocks with "
                              "--speculative draft:PATH")
+        self.ranks: Ranks | None = None           # tensor parallel: ranks 1..N-1
         self.runner = self._runner(model_dir, cfg, model, random_weights)
         try:
             self._setup(replace(cfg, num_blocks=self.runner.num_blocks), draft_model)
         except BaseException:
-            self.runner.close()           # tensor parallel: the other ranks stop too
+            self.close()                  # tensor parallel: the other ranks stop too
             raise
 
     def _setup(self, cfg: EngineConfig, draft_model) -> None:
@@ -93,37 +94,22 @@ class Engine:
         self._proposals: dict[str, Proposal] = {}    # this step's, by request id
 
     def _runner(self, model_dir, cfg: EngineConfig, model, random_weights: bool) -> ModelRunner:
-        """This engine's runner; with tensor_parallel_size N, rank 0's, after starting ranks
-        1..N-1 (engine.parallel)."""
-        n = cfg.tensor_parallel_size
-        if n == 1:
+        """This engine's runner; with tensor_parallel_size N, rank 0's, once ranks 1..N-1 are
+        started (engine.tp_ranks: `self.ranks`)."""
+        if cfg.tensor_parallel_size == 1:
             return ModelRunner(model_dir, self.model_cfg, cfg, model, random_weights)
-        check_split(self.model_cfg, n)
         if model is not None:
+            check_split(self.model_cfg, cfg.tensor_parallel_size)
             raise ValueError("a model object cannot be split over tensor-parallel ranks: give "
                              "its folder")
-        port, procs = start_followers(model_dir, self.model_cfg, cfg, torch.get_num_threads(),
-                                      random_weights)
-        try:
-            tp = init_group(0, n, port, rank_device(cfg.device, 0), peers=procs)
-            runner = ModelRunner(model_dir, self.model_cfg, cfg, None, random_weights, tp=tp)
-        except BaseException:
-            for p in procs:
-                p.kill()
-            stop_followers(procs)
-            import torch.distributed as dist
-            if dist.is_initialized():      # so that this process can start another group
-                dist.destroy_process_group()
-            raise
-        runner._followers = procs
-        log.info("tensor parallel: %d ranks (%s), KV heads per rank %d", n,
-                 ", ".join(rank_device(cfg.device, r) for r in range(n)),
-                 runner.local_cfg.num_kv_heads)
+        runner, self.ranks = start_runner(model_dir, self.model_cfg, cfg, random_weights)
         return runner
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do with one)."""
-        self.runner.close()
+        """Stop the other tensor-parallel ranks (nothing to do with one); idempotent."""
+        ranks, self.ranks = self.ranks, None
+        if ranks is not None:
+            ranks.close(self.runner)
 
     def _speculation(self, draft_model):
         kind, path = parse_speculative(self.cfg.speculative)

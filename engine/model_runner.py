@@ -12,8 +12,8 @@ The Engine keeps orchestration (scheduler, speculation, outputs) and hands the r
 `StepInputs`. On CUDA without a given pool size the KV pool takes what `gpu_memory_utilization`
 leaves after the weights, a profiled forward pass at the step's token budget and the graphs.
 
-Tensor parallel (engine.parallel): every rank builds a runner over its shards; rank 0's runner
-is the engine's and sends each step, block copy, read and write of the pool to the others as a
+Tensor parallel (engine.parallel; the rank processes: engine.tp_ranks): every rank builds a
+runner over its shards; rank 0's runner is the engine's and sends each step, block copy, read and write of the pool to the others as a
 command (`follow` is the other ranks' loop), so all ranks run the same collectives in the same
 order. Decode steps run eagerly there (no CUDA graphs across ranks yet).
 """
@@ -107,7 +107,6 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self, self.max_graph_batch)
             self.graphs.capture()
         self._plan = None
-        self._followers: list = []
         self.broken: str | None = None           # why a tensor-parallel operation failed
         self._synced = False
 
@@ -297,27 +296,20 @@ class ModelRunner:
             elif op == "stop":
                 return
 
-    def close(self) -> None:
-        """Rank 0 of a tensor-parallel group: stop the other ranks and leave the group."""
-        if self.tp.size == 1 or not self.tp.leader:
+    def send_stop(self) -> None:
+        """Rank 0: tell the other ranks to leave their command loop (engine.tp_ranks)."""
+        self.tp.command(("stop",))
+
+    def leave_group(self) -> None:
+        """Rank 0, once the other ranks are gone: leave the group (this process may start
+        another); the runner works on alone no more."""
+        if self.tp.size == 1:
             return
         import torch.distributed as dist
 
-        from engine.parallel import stop_followers
-
-        try:
-            if self.broken is not None:       # out of step: a command could wait forever
-                for p in self._followers:
-                    p.kill()
-            else:
-                self.tp.command(("stop",))
-        except RuntimeError as exc:           # a rank is gone: the others see it too
-            log.warning("tensor-parallel ranks did not all take the stop command: %s", exc)
-        finally:
-            stop_followers(self._followers)
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            self.tp = SINGLE
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.tp = SINGLE
 
     def bind_thread(self) -> None:
         """Make this runner's GPU the calling thread's current device (CUDA's current device is

@@ -1,8 +1,8 @@
 """Tensor parallelism: one model split over N ranks (processes), one scheduler on rank 0.
 
 A worker started with --tensor-parallel-size N is rank 0: it runs the engine (scheduler, KV
-connector, sampler) and starts ranks 1..N-1 (`start_followers`), each a process holding its
-shards of the model and of the KV pool. The ranks form the default torch.distributed process
+connector, sampler) and starts ranks 1..N-1 (engine.tp_ranks), each a process holding its
+shards of the model and of the KV pool. This module holds the group and its collectives only. The ranks form the default torch.distributed process
 group (NCCL on GPUs, gloo on CPUs, the same code) plus a gloo group for the host-side commands.
 Each step, rank 0 broadcasts the step's inputs (`TPGroup.command`); every rank runs the same
 forward pass; sampling happens on rank 0 only.
@@ -24,7 +24,6 @@ them (through both rank 0s).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import socket
 import threading
@@ -33,8 +32,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-log = logging.getLogger(__name__)
 
 INIT_TIMEOUT_S = 600.0        # joining the group, and any one collective of a step
 COMMAND_TIMEOUT_S = 10 * 365 * 86400.0   # ranks wait for rank 0's next command while idle
@@ -191,15 +188,15 @@ def init_group(rank: int, size: int, port: int, device: str, peers: list | None 
 
 
 class ShmComm:
-    """All-reduce and all-gather between the CPU ranks of one host through shared memory: gloo
-    costs ~2 ms per all-reduce on a small VM (~60 of them a step), this a few microseconds
-    plus the copies. Each rank writes its part into its slot, publishes the call's sequence
-    number, waits (spinning, then yielding the core) until every rank has, and sums the slots
-    in rank order (the same result on every rank). Two slot sets in turn: a rank can only
-    reach call k + 1 once every rank has finished call k - 1, so one barrier per call is
-    enough. The ordering relies on x86's store and load order (hence `supported`), with a
-    locked instruction after each copy into a slot (a lock's acquire) so that even streaming
-    stores are visible before the flag."""
+    """All-reduce and all-gather between the CPU ranks of one host through shared memory, instead
+    of gloo's sockets: a step runs two all-reduces per layer, and gloo's per-call cost dominates
+    a small CPU step (the measurement: see docs/performance.md). Each rank writes its part into
+    its slot, publishes the call's sequence number, waits (spinning, then yielding the core)
+    until every rank has, and sums the slots in rank order (the same result on every rank). Two
+    slot sets in turn: a rank can only reach call k + 1 once every rank has finished call k - 1,
+    so one barrier per call is enough. The ordering relies on x86's store and load order (hence
+    `supported`), with a locked instruction after each copy into a slot (a lock's acquire) so
+    that even streaming stores are visible before the flag."""
 
     SLOT = 1 << 20                  # bytes per rank and slot set; larger tensors go in pieces
     WAIT_S = 120.0                  # a rank later than this is taken for dead
@@ -292,84 +289,6 @@ class ShmComm:
         self._slot(self.rank, t).copy_(t)
         self._arrive()
         return [self._slot(r, t).clone() for r in range(self.size)]
-
-
-# ---------------------------------------------------------------------- ranks 1..N-1
-def start_followers(model_dir, model_cfg, cfg, threads: int, random_weights: bool = False
-                    ) -> tuple[int, list]:
-    """Start ranks 1..N-1 of `cfg.tensor_parallel_size`; -> (port, processes). Rank 0 joins
-    with init_group(0, N, port, device). Each rank is a fresh interpreter (not a fork, and not
-    multiprocessing's spawn, which imports the caller's main module again) reading its orders
-    from a pipe; the pipe closing tells it rank 0 is gone."""
-    import pickle
-    import subprocess
-    import sys
-
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # our imports
-    procs = []
-    for rank in range(1, cfg.tensor_parallel_size):
-        orders = pickle.dumps(dict(model_dir=str(model_dir) if model_dir else None,
-                                   model_cfg=model_cfg, cfg=cfg, rank=rank, port=port,
-                                   threads=threads, random_weights=random_weights))
-        p = subprocess.Popen([sys.executable, "-c", "import engine.parallel as p; p._follower()"],
-                             stdin=subprocess.PIPE, env=env)
-        p.stdin.write(len(orders).to_bytes(8, "little") + orders)
-        p.stdin.flush()                       # stays open: closed when rank 0 exits
-        procs.append(p)
-    return port, procs
-
-
-def stop_followers(procs: list, timeout_s: float = 10.0) -> None:
-    """Close their pipes (a rank that missed the stop command exits on EOF), wait, kill what
-    is left."""
-    for p in procs:
-        if p.stdin is not None:
-            p.stdin.close()
-    for p in procs:
-        try:
-            p.wait(timeout=timeout_s)
-        except Exception:
-            p.kill()
-            p.wait()
-
-
-def _watch_parent(pipe) -> None:
-    """A rank whose rank 0 is gone exits (a killed rank 0 leaves no one to say stop)."""
-    pipe.read()                              # returns at EOF: the other end closed
-    os._exit(0)
-
-
-def _follower() -> None:
-    import pickle
-    import sys
-
-    pipe = sys.stdin.buffer
-    size = int.from_bytes(pipe.read(8), "little")
-    o = pickle.loads(pipe.read(size))
-    threading.Thread(target=_watch_parent, args=(pipe,), daemon=True).start()
-    from engine.model_runner import ModelRunner
-
-    rank, cfg = o["rank"], o["cfg"]
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s tp-rank-{rank} %(levelname)s %(name)s: %(message)s")
-    code = 0
-    try:
-        if o["threads"] > 0:
-            torch.set_num_threads(o["threads"])
-        device = rank_device(cfg.device, rank)
-        tp = init_group(rank, cfg.tensor_parallel_size, o["port"], device)
-        runner = ModelRunner(o["model_dir"], o["model_cfg"],
-                             dataclasses.replace(cfg, device=device),
-                             random_weights=o["random_weights"], tp=tp)
-        runner.follow()
-        dist.destroy_process_group()
-    except BaseException:
-        log.exception("tensor-parallel rank %d failed", rank)
-        code = 1
-    finally:
-        logging.shutdown()
-        os._exit(code)      # not through finalization: the watcher thread is inside a read
 
 
 # ---------------------------------------------------------------------- the sharded pool

@@ -143,7 +143,7 @@ def test_a_dead_rank_stops_the_engine_at_once(tmp_path):
         deaths = []
         aengine = AsyncEngine(eng, on_death=deaths.append)
         aengine.start()
-        rank1 = eng.runner._followers[0]
+        rank1 = eng.ranks.procs[0]
         rank1.kill()
         rank1.wait()
         t0 = time.monotonic()
@@ -158,7 +158,6 @@ def test_a_dead_rank_stops_the_engine_at_once(tmp_path):
     try:
         asyncio.run(run())
     finally:
-        eng.runner._followers = []
         eng.close()
 
 
@@ -169,7 +168,7 @@ def test_ranks_exit_when_rank_0_is_killed(tmp_path):
               "from engine.engine import Engine\n"
               f"eng = Engine({str(tmp_path)!r}, EngineConfig(num_blocks=8, block_size=4, "
               "tensor_parallel_size=2))\n"
-              "print(eng.runner._followers[0].pid, flush=True)\n"
+              "print(eng.ranks.procs[0].pid, flush=True)\n"
               "time.sleep(120)\n")
     rank0 = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                              cwd=ROOT)
