@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from gateway.errors import GatewayError, bad_request
-from gateway.tokenizer import ChatTemplateError, Tokenizer
+from gateway.chat_template import ChatTemplateError
+from gateway.tokenizer import Tokenizer
 from gateway.wire import check_ints
 from proto import pdserve_pb2
 

@@ -27,7 +27,7 @@ from gateway.errors import GatewayError, bad_request
 from gateway.params import (MAX_CACHE_SALT, MAX_CHOICES, MAX_LOGIT_BIAS, MAX_N,
                             MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_STRUCTURED_CHARS,
                             MAX_TOP_LOGPROBS, SEED_LIMIT, Prompt, RawParams, Structured)
-from gateway.tools import check_tools
+from gateway.tools.validation import check_tools
 from gateway.wire import bad_text
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -428,7 +428,7 @@ class ChatCompletionRequest(_CommonRequest):
     parallel_tool_calls: bool | None = None
 
     def tool_plan(self, parser: str):
-        """The request's tool calling, validated (gateway.tools.ToolPlan)."""
+        """The request's tool calling, validated (gateway.tools.validation.ToolPlan)."""
         return check_tools(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
 
     def to_shared(self, plan=None) -> tuple[list[Prompt], RawParams]:

@@ -1,9 +1,7 @@
 """Tokenization for the gateway, from an HF model folder, without transformers.
 
-Reads tokenizer.json with the `tokenizers` library, renders the chat template with a sandboxed
-jinja2 environment set up the way transformers sets up its own (trim_blocks, lstrip_blocks,
-loopcontrols, a non-escaping `tojson`, `raise_exception`, `strftime_now`), and reads the EOS ids
-from generation_config.json and config.json.
+Reads tokenizer.json with the `tokenizers` library, renders the chat template
+(gateway/chat_template.py), and reads the EOS ids from generation_config.json and config.json.
 
 `IncrementalDetokenizer` turns a stream of generated token ids into text deltas whose
 concatenation is exactly `decode(all ids)`.
@@ -12,24 +10,16 @@ concatenation is exactly `decode(all ids)`.
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from gateway.tools import (fallback_messages, has_tool_content, template_messages,
-                           template_uses_tools)
+from gateway.chat_template import (compile_chat_template, load_chat_template, render_chat,
+                                   template_uses_tools)
 
 REPLACEMENT_CHAR = "\ufffd"
 SPECIAL_TOKEN_VARS = ("bos_token", "eos_token", "unk_token", "pad_token")
-
-
-class ChatTemplateError(ValueError):
-    """The conversation cannot be rendered (the template raised, or the model has none)."""
 
 
 LONG_TEXT_CHARS = 16384
@@ -57,17 +47,6 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _load_chat_template(model_dir: Path, tok_config: dict) -> str | None:
-    jinja_file = model_dir / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
-    template = tok_config.get("chat_template")
-    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
-        by_name = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = by_name.get("default") or next(iter(by_name.values()), None)
-    return template if isinstance(template, str) else None
-
-
 def _build_byte_decoder() -> dict[str, int]:
     """Inverse of the byte-level BPE alphabet: each of the 256 bytes is shown as one printable
     character; printable Latin-1 bytes map to themselves, the rest to code points from 256 up."""
@@ -93,39 +72,6 @@ def _uses_byte_level(spec: dict) -> bool:
     return any(d.get("type") == "ByteLevel" for d in decoder.get("decoders", []) or [])
 
 
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` (assistant-mask markers): render the body as is."""
-
-    tags = {"generation"}
-
-    def parse(self, parser):
-        next(parser.stream)
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-def _raise_exception(message):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _strftime_now(fmt):
-    return datetime.now().strftime(fmt)
-
-
-def compile_chat_template(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True,
-        extensions=[jinja2.ext.loopcontrols, _GenerationTag])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
-
-
 class Tokenizer:
     """The model's tokenizer and chat template, read from an HF model folder.
 
@@ -134,8 +80,8 @@ class Tokenizer:
     `render_chat(messages)` matches `apply_chat_template(messages, tokenize=False,
     add_generation_prompt=True)`, with `tools` too when the template uses them
     (`supports_tools`); for a template that does not, tools and tool messages are rendered the
-    default way described in gateway/tools.py. Decoding skips special tokens and applies no
-    clean-up.
+    default way described in gateway/chat_template.py. Decoding skips special tokens and applies
+    no clean-up.
     """
 
     def __init__(self, model_dir: str | Path) -> None:
@@ -153,7 +99,7 @@ class Tokenizer:
         self.eos_token_ids = frozenset(_as_id_list(gen_config.get("eos_token_id"))
                                        + _as_id_list(config.get("eos_token_id")))
         self.vocab_size = int(config.get("vocab_size") or self._tok.get_vocab_size(True))
-        self.chat_template_source = _load_chat_template(model_dir, tok_config)
+        self.chat_template_source = load_chat_template(model_dir, tok_config)
         self._template = (compile_chat_template(self.chat_template_source)
                           if self.chat_template_source else None)
         # the template reads `tools` itself; else tools are rendered the default way
@@ -183,25 +129,17 @@ class Tokenizer:
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, tool_parser: str | None = None) -> str:
-        """The prompt text of a conversation; ChatTemplateError carries the template's message.
+        """The prompt text of a conversation; a ChatTemplateError (gateway/chat_template.py)
+        carries the template's message.
 
         `tools`: the OpenAI tool list ({"type": "function", "function": {...}}); messages may
         carry assistant `tool_calls` and tool-role `tool_call_id`. `tool_parser` (the server's
         --tool-call-parser) picks the text forms of the default rendering, which is used when
-        the template does not use tools (gateway/tools.py describes it)."""
-        if self._template is None:
-            raise ChatTemplateError("this model has no chat template; use /v1/completions")
-        tools = list(tools) if tools else None
-        if not self.supports_tools and (tools or has_tool_content(messages)):
-            messages, tools = fallback_messages(messages, tools, tool_parser), None
-        else:
-            messages = template_messages(messages)
+        the template does not use tools (gateway/chat_template.py describes it)."""
         variables = {k: v for k, v in self.special_tokens.items() if v is not None}
-        try:
-            return self._template.render(messages=messages, tools=tools, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **variables)
-        except jinja2.exceptions.TemplateError as exc:
-            raise ChatTemplateError(f"chat template error: {exc}") from exc
+        return render_chat(self._template, messages, supports_tools=self.supports_tools,
+                           variables=variables, add_generation_prompt=add_generation_prompt,
+                           tools=tools, tool_parser=tool_parser)
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
                     tool_parser: str | None = None) -> list[int]:

@@ -17,10 +17,10 @@ from fastapi import Body, FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, ValidationError
 
+from gateway.chat_template import ChatTemplateError
 from gateway.errors import GatewayError, bad_request
 from gateway.params import RequestPreparer
 from gateway.protocol import ChatMessage, RequestBody, TokenId, validation_error
-from gateway.tokenizer import ChatTemplateError
 
 FALLBACK_VERSION = "0.1.0"
 

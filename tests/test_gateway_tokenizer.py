@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 
-from gateway.tokenizer import ChatTemplateError, Tokenizer
+from gateway.chat_template import ChatTemplateError
+from gateway.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world",

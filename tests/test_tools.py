@@ -1,5 +1,6 @@
-"""Tool calling pieces (gateway/tools.py): rendering, output parsers (whole and streamed, on
-every split of the same text), the constrained forms and request validation."""
+"""Tool calling pieces (gateway/tools/, gateway/chat_template.py): rendering, output parsers
+(whole and streamed, on every split of the same text), the constrained forms and request
+validation."""
 
 from __future__ import annotations
 
@@ -10,12 +11,17 @@ import shutil
 
 import pytest
 
+from gateway.chat_template import fallback_messages
 from gateway.errors import GatewayError
 from gateway.tokenizer import Tokenizer
-from gateway.tools import (HermesToolParser, Llama3JsonToolParser, NamedCallParser,
-                           RequiredCallsParser, ToolCall, _Canon, _JsonError, _JsonLexer,
-                           call_from_named, calls_from_required, check_tools, fallback_messages,
-                           get_tool_parser, named_schema, required_schema, tool_finish_reason)
+from gateway.tools.base import ToolCall
+from gateway.tools.forced import (NamedCallParser, RequiredCallsParser, call_from_named,
+                                  calls_from_required, named_schema, required_schema)
+from gateway.tools.hermes import HermesToolParser
+from gateway.tools.json_stream import Canon, JsonError, JsonLexer
+from gateway.tools.llama3_json import Llama3JsonToolParser
+from gateway.tools.registry import get_tool_parser
+from gateway.tools.validation import check_tools, tool_finish_reason
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
@@ -210,11 +216,11 @@ def test_many_random_outputs_stream_like_they_parse():
 # ------------------------------------------------------------------------------ the JSON reader
 def _lex(text):
     """(canonical text, rest) when text begins with a JSON object, else None."""
-    lexer, canon, out = _JsonLexer("{"), _Canon(), []
+    lexer, canon, out = JsonLexer("{"), Canon(), []
     for i, ch in enumerate(text):
         try:
             out.extend(canon.event(k, p) for k, _, p in lexer.push(ch))
-        except _JsonError:
+        except JsonError:
             return None
         if lexer.done:
             return "".join(out), text[i + 1:]
