@@ -21,10 +21,11 @@ import logging
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from gateway.choice_text import Delta
 from gateway.errors import GatewayError, bad_request
 from gateway.limits import InFlight
 from gateway.params import PreparedRequest, Prompt, RawParams, RequestPreparer, Structured
-from gateway.pipeline import Delta, Pipeline
+from gateway.pipeline import Pipeline
 from gateway.wire import Undecodable, parse_lenient
 from proto import pdserve_pb2, pdserve_pb2_grpc
 

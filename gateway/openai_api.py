@@ -27,11 +27,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway.choice_text import Delta
 from gateway.errors import GatewayError, bad_request
 from gateway.limits import InFlight, Slots
 from gateway.openai_format import OpenAIFormatter, ToolOutput
 from gateway.params import PreparedRequest, RequestPreparer
-from gateway.pipeline import Delta, Pipeline
+from gateway.pipeline import Pipeline
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, validation_error
 from gateway.router import Router
 from gateway.utility_api import add_utility_routes

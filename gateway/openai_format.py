@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from gateway.choice_text import Delta, TokenLogprob
 from gateway.params import PreparedRequest
-from gateway.pipeline import Delta, TokenLogprob
 from gateway.tokenizer import Tokenizer
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf

@@ -4,6 +4,7 @@
     gateway <--reservation (KVDescriptor)-- D
     gateway --Prefill(destination=reservation)--> P     (a task, alongside reading D's stream)
     gateway <--TokenBatch ... finish_reason-- D          detokenize, apply stop strings -> Delta
+                                                         (gateway/choice_text.py)
 
 A worker that goes away (or a KV transfer that fails) before the first token reached the client
 makes the request run again on the workers the router picks then (PipelineConfig.max_attempts).
@@ -17,7 +18,8 @@ the stream).
 
 Every exit (finish, stop string, worker error, consumer cancelled or closed) cancels the Decode
 stream and an unfinished Prefill call, so both workers free the request's blocks. Errors reach
-the client as GatewayErrors whose messages name no worker id or address (the log has those).
+the client as GatewayErrors whose messages name no worker id or address
+(gateway/worker_errors.py).
 """
 
 from __future__ import annotations
@@ -25,24 +27,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterable
+from typing import AsyncIterator
 
 import grpc
 
+from cluster.metrics import GatewayMetrics
+from cluster.registry import WorkerInfo
+from gateway.choice_text import Choices, Delta
 from gateway.errors import GatewayError
 from gateway.params import PreparedRequest
 from gateway.router import PrefillTicket, Router
 from gateway.tokenizer import Tokenizer
-from cluster.metrics import GatewayMetrics
-from cluster.registry import WorkerInfo
+from gateway.worker_errors import scrub, worker_error
 from proto import pdserve_pb2, pdserve_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-DETOKENIZER_CONTEXT = 4  # prompt tokens that seed the detokenizer (leading-space rules)
 FINISH_REASONS = ("stop", "length")     # what a worker may end a choice with
 
 
@@ -76,131 +78,6 @@ class PipelineConfig:
             raise ValueError("max_migrations and stream_stall_timeout_s must be >= 0")
 
 
-@dataclass(frozen=True)
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]   # (token id, logprob), most likely first
-
-
-@dataclass(frozen=True)
-class Delta:
-    """What one step of one choice of a request adds. `token_ids` are the new tokens (EOS
-    included, its text only with include_stop_str_in_output); `logprobs` has one entry per token
-    when asked for; `finish_reason` is None until the choice's last Delta ("stop" or "length");
-    `completion_tokens` counts the choice's tokens so far."""
-
-    token_ids: tuple[int, ...]
-    text: str
-    logprobs: tuple[TokenLogprob, ...]
-    finish_reason: str | None
-    completion_tokens: int          # of this choice
-    index: int = 0                  # the choice (n > 1)
-
-
-class StopStrings:
-    """Cuts generated text at the first stop string; holds back a tail that may start one.
-
-    `feed(text)` returns (text safe to emit, stopped). Once stopped, the emitted text ends just
-    before the stop string. `flush()` returns the held-back tail at the natural end.
-    """
-
-    def __init__(self, stops: tuple[str, ...], include: bool = False) -> None:
-        self._stops = stops
-        self._include = include          # the stop string itself is emitted too
-        self._pending = ""
-
-    def _held_tail(self) -> int:
-        longest = 0
-        for stop in self._stops:
-            for n in range(min(len(stop) - 1, len(self._pending)), longest, -1):
-                if self._pending.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        self._pending += text
-        if not self._stops:
-            out, self._pending = self._pending, ""
-            return out, False
-        hits = [(i, len(s)) for i, s in ((self._pending.find(s), s) for s in self._stops)
-                if i >= 0]
-        if hits:
-            at, length = min(hits)
-            out = self._pending[:at + length] if self._include else self._pending[:at]
-            self._pending = ""
-            return out, True
-        keep = self._held_tail()
-        cut = len(self._pending) - keep
-        out, self._pending = self._pending[:cut], self._pending[cut:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self._pending = self._pending, ""
-        return out
-
-
-class _RequestText:
-    """Per-request text state: incremental detokenizer + stop strings + token count."""
-
-    def __init__(self, tokenizer: Tokenizer, prepared: PreparedRequest, index: int = 0) -> None:
-        p = prepared.params
-        self._stop_ids = frozenset(p.stop_token_ids) | (
-            frozenset() if p.ignore_eos else tokenizer.eos_token_ids)
-        self._keep_stop = p.include_stop_str_in_output
-        context = prepared.prompt_token_ids[-DETOKENIZER_CONTEXT:]
-        self._detok = tokenizer.detokenizer(context, p.skip_special_tokens)
-        self._stops = StopStrings(p.stop, p.include_stop_str_in_output)
-        self._min_tokens = p.min_tokens
-        self._count = 0
-        self.index = index
-        self.token_ids: list[int] = []     # consumed so far: what a moved stream resumes from
-
-    def consume(self, batch: pdserve_pb2.TokenBatch) -> Delta:
-        ids = tuple(batch.token_ids)
-        self.token_ids += ids
-        self._count += len(ids)
-        finish = batch.finish_reason or None
-        text_ids = ids
-        if finish == "stop" and ids and ids[-1] in self._stop_ids and not self._keep_stop:
-            text_ids = ids[:-1]
-        text = self._detok.add(text_ids)
-        if finish:
-            text += self._detok.flush()
-        if self._count < self._min_tokens and not finish:
-            stopped = False         # stop strings apply once min_tokens are out
-            text = self._stops.flush() + text
-        else:
-            text, stopped = self._stops.feed(text)
-        if stopped:
-            finish = "stop"
-        elif finish:
-            text += self._stops.flush()
-        logprobs = tuple(TokenLogprob(lp.token_id, lp.logprob,
-                                      tuple((t.token_id, t.logprob) for t in lp.top))
-                         for lp in batch.logprobs)
-        return Delta(ids, text, logprobs, finish, self._count, self.index)
-
-
-class _Choices:
-    """The text state of a request's choices and which have finished, kept across the workers
-    that serve it (a moved stream feeds the same detokenizers and stop strings)."""
-
-    def __init__(self, tokenizer: Tokenizer, prepared: PreparedRequest) -> None:
-        self.n = prepared.params.n
-        self.states = [_RequestText(tokenizer, prepared, i) for i in range(self.n)]
-        self.done: set[int] = set()
-
-    @property
-    def started(self) -> bool:
-        """Tokens went out: the request can no longer simply run again."""
-        return any(s.token_ids for s in self.states)
-
-    def resume_token_ids(self) -> tuple[int, ...]:
-        """What a moved stream goes on after (n = 1: requests of n > 1 are not moved)."""
-        return tuple(self.states[0].token_ids) if self.n == 1 else ()
-
 
 class _LatencyTimer:
     """Feeds one request's TTFT, inter-token gaps and end-to-end time to the metrics (finish
@@ -229,57 +106,6 @@ class _LatencyTimer:
             self.open -= 1
             if self.open == 0:
                 self.m.e2e.observe(now - self.start)
-
-
-# What a worker's error text may hold that a client must not see: addresses (ipv4:1.2.3.4:5,
-# [::1]:5, host:port) and default worker ids (decode-HOST-PORT).
-_ADDRESS = re.compile(r"\b(?:prefill|decode)-[\w.:\[\]-]+-\d+\b"             # worker ids
-                      r"|(?:\bipv[46]:)?(?:\[[0-9a-fA-F:.]+\]"                  # [v6]
-                      r"|\b\d{1,3}(?:\.\d{1,3}){3}\b)(?::\d+)?"                  # v4
-                      r"|\b[\w.-]+:\d{2,5}\b")                                  # host:port
-
-
-def scrub(text: str, workers: Iterable[WorkerInfo] = ()) -> str:
-    """`text` without worker ids and addresses: the ids and addresses of `workers`, then
-    anything that looks like an address or a default worker id."""
-    for w in workers:
-        text = text.replace(w.id, "<worker>").replace(w.address, "<address>")
-    return _ADDRESS.sub("<address>", text)
-
-
-def _worker_error(what: str, worker: WorkerInfo, exc: grpc.aio.AioRpcError,
-                  known: Iterable[WorkerInfo] = ()) -> GatewayError:
-    """The client's error for a failed worker call: the worker's words for a bad request, else
-    the role, the status and the worker's details scrubbed of ids and addresses."""
-    code = exc.code()
-    details = exc.details() or ""
-    log.warning("%s worker %s at %s failed: %s: %s", what, worker.id, worker.address, code.name,
-                details)
-    clean = scrub(details, [worker, *known])
-    message = f"the {what} worker failed: {code.name}" + (f": {clean}" if clean else "")
-    if code == grpc.StatusCode.INVALID_ARGUMENT:     # the request's fault: the worker's words
-        return GatewayError(clean or message, status=400)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED):
-        # the worker is gone (or shutting down), or (ABORTED) the KV transfer between the
-        # workers failed
-        return GatewayError(message, status=503, code="worker_unavailable", retryable=True)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:   # its queue is full: come back shortly
-        return GatewayError(f"the {what} worker is overloaded; retry shortly", status=429,
-                            code="overloaded", retry_after=_retry_after(exc))
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return GatewayError(message, status=504, code="worker_timeout")
-    return GatewayError(message, status=500, code="worker_error")
-
-
-def _retry_after(exc: grpc.aio.AioRpcError, default: float = 1.0) -> float:
-    """The worker's retry-after trailer (seconds), or `default`."""
-    for key, value in exc.trailing_metadata() or ():
-        if key == "retry-after":
-            try:
-                return max(float(value), 0.0)
-            except ValueError:
-                break
-    return default
 
 
 class Pipeline:
@@ -334,7 +160,7 @@ class Pipeline:
         """Run the request; when a worker goes away (or the KV transfer fails) before any token
         reached the client, run it again on the workers the router picks now; when the decode
         worker fails after that, go on on another one (see the module docstring)."""
-        choices = _Choices(self.tokenizer, prepared)
+        choices = Choices(self.tokenizer, prepared)
         tried: set[str] = set()
         retries = migrations = 0
         while True:
@@ -378,7 +204,7 @@ class Pipeline:
         return ""
 
     async def _attempt(self, prepared: PreparedRequest, rid: str, tried: set[str],
-                       choices: _Choices) -> AsyncIterator[Delta]:
+                       choices: Choices) -> AsyncIterator[Delta]:
         """One try on the workers the router picks, avoiding those of failed tries (`tried`,
         extended with this try's workers). A stream that has started resumes after the tokens
         its choice has sent."""
@@ -451,7 +277,7 @@ class Pipeline:
         if exc.code() == grpc.StatusCode.UNAVAILABLE:
             self.router.mark_unreachable(worker)
         known = self.router.workers("prefill") + self.router.workers("decode")
-        err = _worker_error(what, worker, exc, known)
+        err = worker_error(what, worker, exc, known)
         if err.status == 429:       # another worker of the role may have room: one try there
             err.retryable = any(w.id not in tried for w in self.router.workers(what))
         return err

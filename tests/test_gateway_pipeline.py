@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.choice_text import ChoiceText, Delta, StopStrings, TokenLogprob
 from gateway.openai_format import OpenAIFormatter
 from gateway.params import Prompt, RawParams, RequestPreparer, ServedModel
-from gateway.pipeline import Delta, StopStrings, TokenLogprob, _RequestText
 from gateway.tokenizer import Tokenizer
 from proto import pdserve_pb2 as pb
 
@@ -48,7 +48,7 @@ def preparer(model_dir):
 
 def _run(preparer, text: str, batches, **raw):
     prepared = preparer.prepare(Prompt(text="Say:"), RawParams(**raw))
-    state = _RequestText(preparer.tokenizer, prepared)
+    state = ChoiceText(preparer.tokenizer, prepared)
     tok = preparer.tokenizer
     ids = tok.encode(text)
     deltas, i = [], 0
