@@ -53,13 +53,12 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         self.ident = ident
         self.transfers = metrics.transfers(transport)
         self.sink = EngineSink(aengine, self.transfers, self._give_up)
+        # the torch transport's store and collectives are held to the transfer timeout too
+        kw = {"timeout_s": timeout_s} if transport == "torch" else {}
         self.receiver = create_receiver(transport, self.sink, address=ident.address,
-                                        checksum=checksum)
-        connector = aengine.engine.connector         # set before any request reserves
-        connector.one_sided = self.receiver.one_sided
-        connector.lease_s = self.receiver.lease_s
-        connector.load_timeout_s = timeout_s
-        aengine.on_load_timeout = self._timed_out
+                                        checksum=checksum, **kw)
+        aengine.configure_loads(self.receiver.one_sided, timeout_s, self.receiver.lease_s,
+                                on_timeout=self._timed_out)   # before any request reserves
         self.timeout_s = timeout_s
         self.on_timeout = on_timeout
         self.grammars = Grammars(aengine.engine)

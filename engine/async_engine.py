@@ -40,16 +40,17 @@ class EngineDead(RuntimeError):
 
 class AsyncEngine:
     def __init__(self, engine: Engine, on_step: Callable | None = None,
-                 max_waiting: int = 0, on_death: Callable[[str], None] | None = None) -> None:
+                 max_waiting: int = 0, on_death: Callable[[str], None] | None = None,
+                 on_load_timeout: Callable[[str], None] | None = None) -> None:
         """on_step(StepStats) is called on the engine thread after every step; max_waiting
-        (0: no bound) bounds the requests waiting for a place in the batch."""
+        (0: no bound) bounds the requests waiting for a place in the batch; decode role:
+        on_load_timeout(request_id) runs on the loop for each reservation whose KV did not
+        arrive in time (its load has ended, its request waits for the decision)."""
         self.engine = engine
         self.on_step = on_step
         self.max_waiting = max_waiting
         self.on_death = on_death
-        # decode role: on_load_timeout(request_id) runs on the loop for each reservation whose
-        # KV did not arrive in time (its load has ended, its request waits for the decision)
-        self.on_load_timeout: Callable[[str], None] | None = None
+        self._on_load_timeout = on_load_timeout
         self.dead: str | None = None                  # why the engine thread died
         self._admitted = 0         # admission commands queued (loop thread writes)
         self._taken = 0            # ... and taken by the engine thread (engine thread writes)
@@ -115,6 +116,15 @@ class AsyncEngine:
         connector's until save_done: nothing to give back here)."""
         while not q.empty():
             q.get_nowait()
+
+    def configure_loads(self, one_sided: bool, load_timeout_s: float, lease_s: float,
+                        on_timeout: Callable[[str], None] | None = None) -> None:
+        """Decode role, before the first reservation: the load policy (Engine.configure_loads)
+        and what becomes of a reservation whose KV did not arrive in time (`on_timeout`, as
+        the constructor's on_load_timeout)."""
+        self.engine.configure_loads(one_sided, load_timeout_s, lease_s)
+        if on_timeout is not None:
+            self._on_load_timeout = on_timeout
 
     def run(self, fn: Callable, *args) -> asyncio.Future:
         """fn(*args) on the engine thread, between steps, queued now (in order with every other
@@ -374,10 +384,10 @@ class AsyncEngine:
     def _expire_loads(self) -> None:
         """Reservations whose KV did not arrive in time end (engine.kv_connector.expire); the
         loop decides what becomes of each (on_load_timeout: fail it, or compute it here)."""
-        late = self.engine.connector.expire()
-        if late and self.on_load_timeout is not None:
+        late = self.engine.expire_loads()
+        if late and self._on_load_timeout is not None:
             for rid in late:
-                self._loop.call_soon_threadsafe(self.on_load_timeout, rid)
+                self._loop.call_soon_threadsafe(self._on_load_timeout, rid)
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
         s = self.engine.scheduler

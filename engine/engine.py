@@ -14,8 +14,10 @@ import torch
 
 from engine.attention.base import BatchLayout
 from engine.block_hash import BlockHasher
-from engine.block_pool import BlockPool, KVCacheManager
+from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig, parse_speculative
+from engine.kv_cache_manager import KVCacheManager
+from engine.kv_connector import Load
 from engine.kv_layout import KVLayout
 from engine.model_runner import ModelRunner, StepInputs, StepResult
 from engine.parallel import check_split
@@ -206,14 +208,52 @@ class Engine:
             self.proposer.release(request_id)
             self.spec.release(request_id)
 
+    # ------------------------------------------------------------------ KV transfers
     @property
     def connector(self):
-        """engine.kv_connector.KVConnector: every block reference a KV transfer holds."""
+        """engine.kv_connector.KVConnector, for reading what KV transfers hold
+        (`references()`); changes go through the methods below."""
         return self.scheduler.connector
 
     def save_done(self, request_id: str) -> None:
         """Prefill role: the request's KV transfer has ended; its blocks go back."""
         self.scheduler.save_done(request_id)
+
+    def configure_loads(self, one_sided: bool, load_timeout_s: float, lease_s: float) -> None:
+        """Decode role, before the first reservation: the receiver's senders write into the
+        pool themselves (`one_sided`), how long a load may take, how long blocks kept aside
+        wait for their sender's word (engine.kv_connector)."""
+        self.scheduler.connector.configure(one_sided, load_timeout_s, lease_s)
+
+    def load(self, request_id: str) -> Load | None:
+        """Decode role: the request's open load (the blocks still to arrive), or None."""
+        return self.scheduler.connector.load(request_id)
+
+    def reserved_blocks(self, request_id: str) -> list[int] | None:
+        """Any thread: the blocks a sender may write for the request, or None."""
+        return self.scheduler.connector.reserved_blocks(request_id)
+
+    def expecting_kv(self) -> bool:
+        """Any thread: whether a load or a quarantine is open."""
+        return self.scheduler.connector.expecting()
+
+    def is_loading(self, request_id: str, block_ids: list[int]) -> bool:
+        """Whether these blocks may be written now: still the request's, expected."""
+        return self.scheduler.connector.is_loading(request_id, block_ids)
+
+    def fail_load(self, request_id: str, why: str) -> None:
+        """Writing the request's received KV failed: it must not run on it."""
+        self.scheduler.connector.fail_load(request_id, why)
+
+    def end_load(self, request_id: str, sender_stopped: bool) -> Load | None:
+        return self.scheduler.end_load(request_id, sender_stopped)
+
+    def sender_done(self, request_id: str) -> None:
+        self.scheduler.sender_done(request_id)
+
+    def expire_loads(self) -> list[str]:
+        """Loads past their deadline end; -> their request ids (engine.kv_connector.expire)."""
+        return self.scheduler.expire_loads()
 
     def block_table(self, request_id: str) -> list[int]:
         return list(self.kv_manager.block_table(request_id))
@@ -224,10 +264,10 @@ class Engine:
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        if self.scheduler.pending_copies:           # blocks of forked choices (n > 1)
-            pairs, self.scheduler.pending_copies = self.scheduler.pending_copies, []
+        pairs = self.kv_manager.take_copies()        # blocks of forked choices (n > 1)
+        if pairs:
             self.runner.copy_blocks(pairs)
-            self.pool.free([b for pair in pairs for b in pair])   # the copies' references
+            self.kv_manager.copies_done(pairs)
         if self.proposer is not None:
             self._propose()
         sched = self.scheduler.schedule()

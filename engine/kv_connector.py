@@ -1,4 +1,4 @@
-"""The KV connector, scheduler side: the one owner of every block reference a KV transfer holds.
+"""The KV connector, scheduler side: the bookkeeping of every block reference a KV transfer holds.
 
 Engine thread only (the AsyncEngine runs transports' requests as engine commands), except the
 reads marked "any thread". The worker side (kvtransfer.connector) moves the bytes: it writes
@@ -21,8 +21,11 @@ Prefill role (saves: KV this worker computes and sends)::
     prefill finished -> hold(req): the request's table stays too (delay-free)
     the send ended (sent, failed, cancelled) -> save_done(rid): every reference goes back
 
-A request's table belongs to the KVCacheManager; the matched prefix blocks of a reservation are
-the prefix cache's, shared, and never written by a transfer.
+The connector decides; it changes no reference itself. Each call that gives a transfer blocks or
+takes them back returns a `RefChange` (engine.kv_cache_manager), which the scheduler hands to
+the KV cache manager, the one owner of references and tables. A request's table belongs to the
+manager; the matched prefix blocks of a reservation are the prefix cache's, shared, and never
+written by a transfer.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.block_pool import KVCacheManager
+from engine.kv_cache_manager import RefChange
 from engine.request import Request
 
 log = logging.getLogger(__name__)
@@ -63,27 +66,31 @@ class _Save:
 
 
 class KVConnector:
-    """`role`: "prefill" (saves) or "decode" (loads). Options the decode service sets before
-    its first request: `one_sided` (its receiver's senders write into the pool themselves),
-    `load_timeout_s` (a load not complete by then is ended by `expire`) and `lease_s` (how long
-    quarantined blocks wait for their sender's word)."""
+    """`role`: "prefill" (saves) or "decode" (loads). The load policy (`configure`, which the
+    decode service calls before its first request): `one_sided` (its receiver's senders write
+    into the pool themselves), `load_timeout_s` (a load not complete by then is ended by
+    `expire`) and `lease_s` (how long quarantined blocks wait for their sender's word)."""
 
-    def __init__(self, kv: KVCacheManager, role: str,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.kv = kv
+    def __init__(self, role: str, block_size: int,
+                 clock: Callable[[], float] = time.monotonic, one_sided: bool = False,
+                 load_timeout_s: float = 300.0, lease_s: float = 60.0) -> None:
         self.role = role
+        self.block_size = block_size
         self.clock = clock
-        self.one_sided = False
-        self.load_timeout_s = 300.0
-        self.lease_s = 60.0
+        self.configure(one_sided, load_timeout_s, lease_s)
         self.loads: dict[str, Load] = {}
         self._quarantine: dict[str, _Quarantine] = {}
         self._saves: dict[str, _Save] = {}
 
+    def configure(self, one_sided: bool, load_timeout_s: float, lease_s: float) -> None:
+        """The decode role's load policy (see the class docstring); before the first load."""
+        self.one_sided = one_sided
+        self.load_timeout_s = load_timeout_s
+        self.lease_s = lease_s
+
     # ------------------------------------------------------------------ decode: loads
-    def start_load(self, req: Request) -> Load:
-        """The request's blocks after its cached prefix are to arrive."""
-        table = self.kv.block_table(req.request_id)
+    def start_load(self, req: Request, table: list[int]) -> Load:
+        """The request's blocks (its `table`) after its cached prefix are to arrive."""
         now = self.clock()
         load = Load(req.request_id, list(table[req.num_cached_blocks:]), now,
                     now + self.load_timeout_s)
@@ -105,60 +112,71 @@ class KVConnector:
         load = self.loads.get(request_id)
         return load is not None and set(block_ids) <= set(load.blocks)
 
-    def end_load(self, request_id: str, sender_stopped: bool) -> Load | None:
+    def load(self, request_id: str) -> Load | None:
+        """The request's open load, or None."""
+        return self.loads.get(request_id)
+
+    def fail_load(self, request_id: str, why: str) -> None:
+        """A write of the request's KV into the pool failed: its KV is unusable."""
+        load = self.loads.get(request_id)
+        if load is not None:
+            load.failed = why
+
+    def end_load(self, request_id: str, sender_stopped: bool
+                 ) -> tuple[Load | None, RefChange]:
         """End the request's load. Unless the sender is known to have stopped writing, a
-        one-sided sender's blocks are kept aside (a reference each) until sender_done."""
+        one-sided sender's blocks are kept aside (the change holds a reference each) until
+        sender_done."""
         load = self.loads.pop(request_id, None)
+        change = RefChange()
         if load is not None and self.one_sided and not (sender_stopped or load.sender_stopped) \
                 and load.blocks:
-            self.kv.pool.take(load.blocks)
+            change.hold = list(load.blocks)
             until = self.clock() + self.lease_s
             q = self._quarantine.setdefault(request_id, _Quarantine([], until))
             q.blocks += load.blocks           # (an id reserved again: both sets stay aside)
             q.until = until
-        return load
+        return load, change
 
     def is_quarantined(self, request_id: str) -> bool:
         return request_id in self._quarantine
 
-    def sender_done(self, request_id: str) -> None:
+    def sender_done(self, request_id: str) -> RefChange:
         """A one-sided sender has stopped writing the request's blocks (its completion or abort
         notice): blocks kept aside go back."""
         load = self.loads.get(request_id)
         if load is not None:                  # still open: ending it later keeps none aside
             load.sender_stopped = True
         q = self._quarantine.pop(request_id, None)
-        if q is not None:
-            self.kv.pool.free(q.blocks)
+        return RefChange(release=q.blocks) if q is not None else RefChange()
 
-    def expire(self) -> list[str]:
+    def expire(self) -> tuple[list[str], RefChange]:
         """Loads past their deadline are ended (their blocks kept aside as end_load says);
-        quarantines past their lease give their blocks back. -> the ended loads' request ids."""
+        quarantines past their lease give their blocks back. -> the ended loads' request ids,
+        and the change."""
         now = self.clock()
         late = [rid for rid, load in self.loads.items() if load.deadline < now]
+        change = RefChange()
         for rid in late:
-            self.end_load(rid, sender_stopped=False)
+            change += self.end_load(rid, sender_stopped=False)[1]
         for rid in [r for r, q in self._quarantine.items() if q.until < now]:
             q = self._quarantine.pop(rid)
             log.warning("request %s: %d KV blocks kept aside after an abort are reused now (no "
                         "word from the sender within %g s)", rid, len(q.blocks), self.lease_s)
-            self.kv.pool.free(q.blocks)
-        return late
+            change.release += q.blocks
+        return late, change
 
     # ------------------------------------------------------------------ prefill: saves
-    def blocks_final(self, req: Request, final: bool) -> list[int]:
-        """The request's blocks whose KV became final since the last call (all the rest when
-        `final`), each with a reference held until save_done. Streaming survives preemption:
-        blocks already handed out are not handed out again."""
-        table = self.kv.block_table(req.request_id)
-        n = len(table) if final else min(req.num_computed_tokens // self.kv.block_size,
-                                         len(table))
-        ready = table[req.num_blocks_streamed:n]
+    def blocks_final(self, req: Request, table: list[int], final: bool) -> RefChange:
+        """The request's blocks (of its `table`) whose KV became final since the last call (all
+        the rest when `final`): the change's `hold`, a reference each until save_done.
+        Streaming survives preemption: blocks already handed out are not handed out again."""
+        n = len(table) if final else min(req.num_computed_tokens // self.block_size, len(table))
+        ready = list(table[req.num_blocks_streamed:n])
         req.num_blocks_streamed = max(req.num_blocks_streamed, n)
         if ready:
-            self.kv.pool.take(ready)
             self._saves.setdefault(req.request_id, _Save()).blocks.extend(ready)
-        return ready
+        return RefChange(hold=ready)
 
     def hold(self, req: Request) -> None:
         """A finished prefill: its table stays until save_done (or an abort) too."""
@@ -168,27 +186,25 @@ class KVConnector:
         save = self._saves.get(request_id)
         return save is not None and save.request is not None
 
-    def unhold(self, request_id: str) -> bool:
+    def unhold(self, request_id: str) -> RefChange | None:
         """An aborted prefill: its table goes (the references of blocks handed out stay until
-        save_done: a transport may still be reading them). Whether it was held."""
+        save_done: a transport may still be reading them). None when it was not held."""
         save = self._saves.get(request_id)
         if save is None or save.request is None:
-            return False
+            return None
         save.request = None
-        self.kv.free(request_id)
         if not save.blocks:
             del self._saves[request_id]
-        return True
+        return RefChange(free_tables=[request_id])
 
-    def save_done(self, request_id: str) -> None:
+    def save_done(self, request_id: str) -> RefChange:
         """The request's send has ended (every block sent, or given up): its references and
         its held table go back."""
         save = self._saves.pop(request_id, None)
         if save is None:
-            return
-        if save.request is not None:
-            self.kv.free(request_id)
-        self.kv.pool.free(save.blocks)
+            return RefChange()
+        return RefChange(free_tables=[request_id] if save.request is not None else [],
+                         release=save.blocks)
 
     # ------------------------------------------------------------------ accounting
     def references(self) -> dict[str, int]:

@@ -14,20 +14,22 @@ batch full) give theirs up, newest first, and are recomputed when their turn com
 
 n > 1: a request's choices 1..n-1 are forked from it when its first token is out (its prompt
 is computed, here or by a prefill worker). Each shares the prompt's blocks up to the one holding
-the last prompt token, gets a copy of that block (`pending_copies`, done by the engine before
-the next step) and recomputes the last prompt token with its own seed: a one-token step, then
+the last prompt token, gets a copy of that block (KVCacheManager.take_copies, done by the engine
+before the next step) and recomputes the last prompt token with its own seed: a one-token step, then
 it decodes like any other request. Without a free block a choice computes its prompt itself
 (prefix cache hits still count).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
-from engine.block_pool import KVCacheManager
 from engine.config import EngineConfig
-from engine.kv_connector import KVConnector
+from engine.kv_cache_manager import KVCacheManager
+from engine.kv_connector import KVConnector, Load
 from engine.request import Request, RequestOutput, Status, TokenLogprob, choice_seed
 
 
@@ -51,7 +53,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, cfg: EngineConfig, kv: KVCacheManager, eos_token_ids: tuple[int, ...],
-                 max_model_len: int) -> None:
+                 max_model_len: int, clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: the KV connector's, for its load deadlines and leases."""
         self.cfg = cfg
         self.kv = kv
         self.eos = frozenset(eos_token_ids)
@@ -59,10 +62,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.remote: dict[str, Request] = {}     # decode: waiting for KV from a prefill worker
-        # every block reference a KV transfer holds (loads, saves, held tables, quarantine)
-        self.connector = KVConnector(kv, cfg.role)
+        # which blocks KV transfers hold (loads, saves, held tables, quarantine); the references
+        # themselves are the KV cache manager's, which applies the connector's decisions
+        self.connector = KVConnector(cfg.role, kv.block_size, clock)
         self._arrivals = 0
-        self.pending_copies: list[tuple[int, int]] = []   # (src, dst) blocks of forked choices
 
     # ------------------------------------------------------------------ admission
     def add(self, req: Request) -> None:
@@ -82,7 +85,7 @@ class Scheduler:
         req.arrival, self._arrivals = self._arrivals, self._arrivals + 1
         req.status = Status.WAITING_FOR_REMOTE_KV
         self.remote[req.request_id] = req
-        self.connector.start_load(req)
+        self.connector.start_load(req, self.kv.block_table(req.request_id))
         return list(self.kv.block_table(req.request_id))
 
     def remote_ready(self, request_id: str, first_token: int,
@@ -92,7 +95,7 @@ class Scheduler:
         req = self.remote.pop(request_id, None)
         if req is None:
             return None                          # aborted meanwhile
-        self.connector.end_load(request_id, sender_stopped=True)
+        self.end_load(request_id, sender_stopped=True)
         req.num_computed_tokens = req.num_tokens
         self.kv.cache_computed_blocks(req)
         if not req.append_token(first_token, logprob):
@@ -118,7 +121,7 @@ class Scheduler:
         req = self.remote.pop(request_id, None)
         if req is None:
             return False
-        self.connector.end_load(request_id, sender_stopped=False)
+        self.end_load(request_id, sender_stopped=False)
         if self.connector.is_quarantined(request_id):
             self.kv.free(request_id)
             req.num_computed_tokens = req.num_cached_blocks = req.num_cached_tokens = 0
@@ -132,9 +135,11 @@ class Scheduler:
         """Abort a request, with (group) the choices forked from it."""
         found = False
         if self.remote.pop(request_id, None) is not None:
-            self.connector.end_load(request_id, sender_stopped=False)
+            self.end_load(request_id, sender_stopped=False)
             found = True
-        if self.connector.unhold(request_id):
+        unheld = self.connector.unhold(request_id)
+        if unheld is not None:
+            self.kv.apply(unheld)
             found = True
 
         def hit(r: Request) -> bool:
@@ -166,18 +171,36 @@ class Scheduler:
                             cache_salt=parent.cache_salt, choice=i, group=parent.request_id)
             if parent.structured_state is not None:          # a fresh grammar state
                 child.structured_state = parent.structured_state.grammar.matcher()
-            pair = self.kv.fork(parent.request_id, child.request_id, shared)
-            if pair is not None:
-                self.pending_copies.append(pair)
+            if self.kv.fork(parent.request_id, child.request_id, shared) is not None:
                 child.num_computed_tokens = parent.num_prompt_tokens - 1
                 child.block_hashes = parent.block_hashes[:shared]
                 child.num_cached_blocks = min(parent.num_cached_blocks, shared)
             self.add(child)
 
+    # ------------------------------------------------------------------ KV transfers
+    # The connector decides which blocks a transfer holds; the KV cache manager applies it.
     def save_done(self, request_id: str) -> None:
         """Prefill role: the request's KV transfer has ended (sent or given up): the blocks it
         held for it go back (engine.kv_connector)."""
-        self.connector.save_done(request_id)
+        self.kv.apply(self.connector.save_done(request_id))
+
+    def end_load(self, request_id: str, sender_stopped: bool) -> Load | None:
+        """Decode role: end the request's load (engine.kv_connector.end_load): a one-sided
+        sender's blocks may be kept aside."""
+        load, change = self.connector.end_load(request_id, sender_stopped)
+        self.kv.apply(change)
+        return load
+
+    def sender_done(self, request_id: str) -> None:
+        """Decode role: a one-sided sender stopped writing the request's blocks."""
+        self.kv.apply(self.connector.sender_done(request_id))
+
+    def expire_loads(self) -> list[str]:
+        """Decode role: end the loads past their deadline, give back quarantines past their
+        lease; -> the ended loads' request ids."""
+        late, change = self.connector.expire()
+        self.kv.apply(change)
+        return late
 
     # ------------------------------------------------------------------ scheduling
     def has_work(self) -> bool:
@@ -299,7 +322,7 @@ class Scheduler:
                 req.num_computed_tokens += s.num_new_tokens
                 self.kv.cache_computed_blocks(req)
                 if self.cfg.role == "prefill":
-                    ready = self.connector.blocks_final(req, final=False)
+                    ready = self._blocks_final(req, final=False)
                     if ready:
                         outputs.append(RequestOutput(req.request_id, [], [], kv_blocks=ready))
                 continue
@@ -322,11 +345,17 @@ class Scheduler:
                 self.running.remove(req)
                 if self.cfg.role == "prefill":
                     self.connector.hold(req)          # the table stays until save_done
-                    out.kv_blocks = self.connector.blocks_final(req, final=True)
+                    out.kv_blocks = self._blocks_final(req, final=True)
                 else:
                     self.kv.free(req.request_id)
             outputs.append(out)
         return outputs
+
+    def _blocks_final(self, req: Request, final: bool) -> list[int]:
+        """Prefill role: the blocks handed to the request's send now, a reference each."""
+        change = self.connector.blocks_final(req, self.kv.block_table(req.request_id), final)
+        self.kv.apply(change)
+        return change.hold
 
     def _append(self, req: Request, toks: list[int], lps: list) -> RequestOutput:
         """Append tokens until one finishes the request (EOS, max_tokens, model length); the

@@ -177,11 +177,13 @@ async def _in_thread(fn: Callable, *args):
 
 class KVSender(abc.ABC):
     name: str
-    # How a sender reads the pool (gathers, checksums): `await run_on_pool(fn, *args)` runs
-    # fn(*args) on the thread that owns the pool. The prefill service passes its engine's
-    # (AsyncEngine.run: between steps, and before the connector's references can go back);
-    # without an engine (benchmarks, tests), a worker thread.
-    run_on_pool: Callable[..., Awaitable] = staticmethod(_in_thread)
+
+    def __init__(self, run_on_pool: Callable[..., Awaitable] | None = None) -> None:
+        """How the sender reads the pool (gathers, checksums): `await run_on_pool(fn, *args)`
+        runs fn(*args) on the thread that owns the pool. The prefill service passes its
+        engine's (AsyncEngine.run: between steps, and before the connector's references can go
+        back); without one (benchmarks, tests), a worker thread."""
+        self.run_on_pool = run_on_pool or _in_thread
 
     @abc.abstractmethod
     def open(self, request_id: str, kv: torch.Tensor, target: TransferTarget) -> KVSendStream:
@@ -255,10 +257,8 @@ def _load(name: str, which: int):
 
 def create_sender(name: str, layout: KVLayout, run_on_pool: Callable | None = None,
                   **kw) -> KVSender:
-    sender = _load(name, 0)(layout=layout, **kw)
-    if run_on_pool is not None:
-        sender.run_on_pool = run_on_pool
-    return sender
+    """The sender of transport `name`; `run_on_pool` as in KVSender."""
+    return _load(name, 0)(layout=layout, run_on_pool=run_on_pool, **kw)
 
 
 def create_receiver(name: str, sink: KVSink, **kw) -> KVReceiver:

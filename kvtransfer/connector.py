@@ -1,7 +1,7 @@
 """The KV connector, worker side: where a decode engine's received KV meets its pool.
 
-The scheduler side (engine.kv_connector) owns every block reference; this side moves bytes and
-touches the pool only on the engine thread, in commands the AsyncEngine runs between steps:
+The scheduler side (engine.kv_connector, through the Engine's load API) decides which blocks a
+transfer holds; this side moves bytes and touches the pool only on the engine thread, in commands the AsyncEngine runs between steps:
 
 - `write(request_id, block_ids, data)`: the copy into the pool runs only while the connector
   says the blocks are still the request's to receive (an abort that came first wins: its blocks
@@ -60,25 +60,25 @@ class EngineSink:
     def __init__(self, aengine: AsyncEngine, transfers,
                  refused: Callable[[str, str], Awaitable[None]]) -> None:
         self.aengine = aengine
-        self.connector = aengine.engine.connector
-        self.layout: KVLayout = aengine.engine.layout
-        self.vocab_size = aengine.engine.model_cfg.vocab_size
+        self.engine = aengine.engine          # its load API (Engine.load, end_load, ...)
+        self.layout: KVLayout = self.engine.layout
+        self.vocab_size = self.engine.model_cfg.vocab_size
         self.transfers = transfers
         self.refused = refused
-        self.staging = HostStaging(aengine.engine.kv.device)
+        self.staging = HostStaging(self.engine.kv.device)
         self._pending: list[tuple[asyncio.Future, int]] = []   # writes queued, and their bytes
         self._pending_bytes = 0
 
     @property
     def pool(self) -> torch.Tensor:
         """For a one-sided receiver's registration only."""
-        return self.aengine.engine.kv
+        return self.engine.kv
 
     def reserved_blocks(self, request_id: str) -> list[int] | None:
-        return self.connector.reserved_blocks(request_id)
+        return self.engine.reserved_blocks(request_id)
 
     def expecting(self) -> bool:
-        return self.connector.expecting()
+        return self.engine.expecting_kv()
 
     async def write(self, request_id: str, block_ids: list[int], data: torch.Tensor,
                     ready: object | None = None) -> None:
@@ -88,12 +88,11 @@ class EngineSink:
         MAX_PENDING_BYTES of received KV is queued, so a long prompt's pieces all land in
         the engine's next pause between steps instead of one a step."""
         ids = list(block_ids)
-        pool = self.aengine.engine.kv
+        pool = self.engine.kv
         nbytes = data.numel() * data.element_size()
 
         def run() -> None:
-            load = self.connector.loads.get(request_id)
-            if load is None or not self.connector.is_loading(request_id, ids):
+            if not self.engine.is_loading(request_id, ids):
                 return
             try:
                 self.staging.write_blocks(pool, ids, data, ready)
@@ -101,7 +100,8 @@ class EngineSink:
                 raise
             except Exception as exc:     # the request must not run on KV that is not there
                 log.exception("request %s: writing received KV failed", request_id)
-                load.failed = f"writing the received KV into the pool failed: {exc}"
+                self.engine.fail_load(request_id,
+                                      f"writing the received KV into the pool failed: {exc}")
 
         while self._pending and self._pending_bytes + nbytes > MAX_PENDING_BYTES:
             head = self._pending[0][0]
@@ -132,10 +132,10 @@ class EngineSink:
         request is gone), or (kind, why) the KV is refused (the load stays open for
         `reject`)."""
         ids = list(block_ids)
-        pool = self.aengine.engine.kv
+        pool = self.engine.kv
 
         def run():
-            load = self.connector.loads.get(request_id)
+            load = self.engine.load(request_id)
             if load is None:
                 return None
             if load.failed is not None:
@@ -157,7 +157,7 @@ class EngineSink:
     async def reject(self, request_id: str, message: str, kind: str) -> None:
         """The request's KV is unusable (kvtransfer.integrity), and its sender has stopped
         writing: the load ends, is counted, then `refused`."""
-        load = await self.aengine.run(self.connector.end_load, request_id, True)
+        load = await self.aengine.run(self.engine.end_load, request_id, True)
         if load is None:
             return
         self.transfers.failed(kind)
@@ -167,4 +167,4 @@ class EngineSink:
 
     def sender_done(self, request_id: str) -> None:
         """A one-sided sender stopped writing the request's blocks: those kept aside go back."""
-        self.aengine.run_nowait(self.connector.sender_done, request_id)
+        self.aengine.run_nowait(self.engine.sender_done, request_id)

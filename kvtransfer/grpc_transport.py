@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+from typing import Awaitable, Callable
 
 import grpc
 import torch
@@ -146,9 +147,11 @@ class GrpcKVSender(KVSender):
 
     def __init__(self, layout: KVLayout, kv: torch.Tensor | None = None,
                  blocks_per_message: int = 16, timeout_s: float = 600.0,
-                 checksum: bool = True) -> None:
+                 checksum: bool = True, run_on_pool: Callable[..., Awaitable] | None = None
+                 ) -> None:
         """kv: the pool blocks will be sent from (its device picks the staging memory);
-        checksum: send the blocks' checksums (--kv-checksum)."""
+        checksum: send the blocks' checksums (--kv-checksum); run_on_pool: KVSender's."""
+        super().__init__(run_on_pool)
         self.layout = layout
         self.checksum = checksum
         self.auth = cluster_auth.current()

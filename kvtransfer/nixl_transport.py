@@ -44,6 +44,7 @@ import itertools
 import logging
 import os
 import time
+from typing import Awaitable, Callable
 
 import torch
 
@@ -264,8 +265,11 @@ class NixlKVSender(KVSender):
     name = "nixl"
 
     def __init__(self, layout: KVLayout, kv: torch.Tensor, progress_thread: bool = False,
-                 timeout_s: float = 60.0, checksum: bool = True) -> None:
-        """checksum: put the blocks' checksums in the completion notice (--kv-checksum)."""
+                 timeout_s: float = 60.0, checksum: bool = True,
+                 run_on_pool: Callable[..., Awaitable] | None = None) -> None:
+        """checksum: put the blocks' checksums in the completion notice (--kv-checksum);
+        run_on_pool: KVSender's."""
+        super().__init__(run_on_pool)
         self.layout = layout
         self.kv = kv
         self.timeout_s = timeout_s

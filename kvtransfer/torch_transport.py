@@ -63,6 +63,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import Awaitable, Callable
 
 import torch
 import torch.distributed as dist
@@ -319,8 +320,10 @@ class TorchKVSender(KVSender):
     name = "torch"
 
     def __init__(self, layout: KVLayout, kv: torch.Tensor, timeout_s: float = 30.0,
-                 checksum: bool = True) -> None:
-        """checksum: send the blocks' checksums (--kv-checksum)."""
+                 checksum: bool = True, run_on_pool: Callable[..., Awaitable] | None = None
+                 ) -> None:
+        """checksum: send the blocks' checksums (--kv-checksum); run_on_pool: KVSender's."""
+        super().__init__(run_on_pool)
         self.layout = layout
         self.device = kv.device
         self.timeout_s = timeout_s

@@ -152,9 +152,9 @@ def test_a_fork_aborted_before_its_copy_keeps_the_blocks_until_the_copy_is_done(
     params = SamplingParams(temperature=1.0, seed=2, max_tokens=8, ignore_eos=True, n=3)
     eng = engine(model_dir)
     eng.add_request(Request("c", list(PROMPT), params))
-    while not eng.scheduler.pending_copies:
+    while not eng.kv_manager.pending_copies:
         eng.step()
-    pairs = list(eng.scheduler.pending_copies)
+    pairs = eng.kv_manager.pending_copies
     eng.abort("c")
     held = {b for pair in pairs for b in pair}
     assert eng.pool.num_free == eng.pool.num_blocks - len(held)

@@ -6,9 +6,10 @@ import asyncio
 
 import torch
 
-from engine.block_pool import BlockPool, KVCacheManager
 from engine.block_hash import BlockHasher
+from engine.block_pool import BlockPool
 from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, SamplingParams
 from engine.scheduler import Scheduler
 
@@ -28,10 +29,9 @@ def decode_side(num_blocks=12, one_sided=True):
     cfg = EngineConfig(role="decode", block_size=4, num_blocks=num_blocks,
                        max_num_batched_tokens=32)
     kv = KVCacheManager(BlockPool(num_blocks), 4, BlockHasher(4))
-    s = Scheduler(cfg, kv, eos_token_ids=(0,), max_model_len=64)
     clock = Clock()
-    c = s.connector
-    c.clock, c.one_sided, c.load_timeout_s, c.lease_s = clock, one_sided, 10.0, 30.0
+    s = Scheduler(cfg, kv, eos_token_ids=(0,), max_model_len=64, clock=clock)
+    s.connector.configure(one_sided, load_timeout_s=10.0, lease_s=30.0)
     return s, kv, clock
 
 
@@ -57,7 +57,7 @@ def test_an_abort_keeps_a_one_sided_senders_blocks_aside_until_it_is_done():
     s.abort("r")                                    # the client went away mid-transfer
     assert s.connector.references()["quarantined"] == 2
     assert kv.pool.num_free == kv.pool.num_blocks - 2      # nobody else gets them yet
-    s.connector.sender_done("r")                    # its abort notice came
+    s.sender_done("r")                    # its abort notice came
     assert kv.pool.num_free == kv.pool.num_blocks and s.connector.references() == NONE_HELD
 
 
@@ -73,14 +73,14 @@ def test_a_late_load_expires_and_a_silent_senders_lease_runs_out():
     s, kv, clock = decode_side()
     s.reserve_remote(Request("late", list(range(1, 9)), GREEDY))
     clock.now = 5.0
-    assert s.connector.expire() == []
+    assert s.expire_loads() == []
     clock.now = 11.0
-    assert s.connector.expire() == ["late"]         # ended, blocks kept aside
+    assert s.expire_loads() == ["late"]         # ended, blocks kept aside
     assert s.connector.reserved_blocks("late") is None
     s.abort("late")                                 # the service fails it: the table goes
     assert kv.pool.num_free == kv.pool.num_blocks - 2
     clock.now = 42.0
-    s.connector.expire()                            # no word from the sender in 30 s
+    s.expire_loads()                            # no word from the sender in 30 s
     assert kv.pool.num_free == kv.pool.num_blocks and s.connector.references() == NONE_HELD
 
 
@@ -88,12 +88,12 @@ def test_recomputing_after_a_timeout_never_writes_into_blocks_kept_aside():
     s, kv, clock = decode_side()
     reserved = s.reserve_remote(Request("r", list(range(1, 9)), GREEDY))
     clock.now = 11.0
-    assert s.connector.expire() == ["r"]
+    assert s.expire_loads() == ["r"]
     assert s.compute_locally("r")                   # --kv-load-failure recompute
     out = s.schedule()
     assert [x.request.request_id for x in out.scheduled] == ["r"]
     assert not set(kv.block_table("r")) & set(reserved)   # a one-sided WRITE may still land
-    s.connector.sender_done("r")
+    s.sender_done("r")
     s.abort("r")
     assert kv.pool.num_free == kv.pool.num_blocks
 
@@ -169,7 +169,7 @@ def test_the_engine_sink_writes_only_live_loads_and_checks_before_the_request_ru
 def test_a_senders_word_before_the_abort_keeps_nothing_aside():
     s, kv, _ = decode_side()
     s.reserve_remote(Request("r", list(range(1, 9)), GREEDY))
-    s.connector.sender_done("r")                    # its abort notice overtook the client's
+    s.sender_done("r")                    # its abort notice overtook the client's
     s.abort("r")
     assert kv.pool.num_free == kv.pool.num_blocks and s.connector.references() == NONE_HELD
 
@@ -226,12 +226,12 @@ def test_a_reservation_whose_kv_does_not_come_times_out_on_the_engine(model_dir)
 
     engine = _decode_engine(model_dir)
     c = engine.connector
-    c.one_sided, c.load_timeout_s, c.lease_s = True, 0.2, 0.5
 
     async def body():
         timed_out = asyncio.Queue()
         aengine = AsyncEngine(engine)
-        aengine.on_load_timeout = timed_out.put_nowait
+        aengine.configure_loads(one_sided=True, load_timeout_s=0.2, lease_s=0.5,
+                                on_timeout=timed_out.put_nowait)
         aengine.start()
         try:
             aengine.open_stream("r")

@@ -9,9 +9,10 @@ import sys
 import pytest
 
 from engine.block_hash import BlockHasher
-from engine.block_pool import EVICTED, STORED, BlockPool, KVCacheManager
+from engine.block_pool import EVICTED, STORED, BlockPool
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, SamplingParams
 from engine.scheduler import Scheduler
 from tests.test_batching import model_dir, run  # noqa: F401  (module fixture)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import BlockPool, KVCacheManager, NoFreeBlocks
+from engine.block_pool import BlockPool, NoFreeBlocks
 from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, SamplingParams, Status
 from engine.scheduler import Scheduler
 

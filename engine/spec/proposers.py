@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 
 from engine.attention.base import BatchLayout
-from engine.block_pool import BlockPool, KVCacheManager
+from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig
+from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner, StepInputs
 from engine.request import Request
 from engine.sampler import draw, sampling_probs, uniform
