@@ -12,11 +12,11 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster import health
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,19 +25,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_until(pred, timeout_s: float, what: str, procs=()) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for p, log in procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"{what}: process exited with {p.returncode}; log:\n"
-                                   + Path(log).read_text()[-3000:])
-        if pred():
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"{what} not ready after {timeout_s}s")
 
 
 @dataclass

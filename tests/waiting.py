@@ -1,0 +1,34 @@
+"""Waiting for an event with a deadline, never for a fixed time: a test that sleeps passes or
+fails by how loaded the machine is, and a test that waits for nothing passes when the event is
+merely late."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+
+def wait_until(pred, timeout_s: float, what: str, procs=(), interval_s: float = 0.2) -> None:
+    """Return once pred() is true; TimeoutError naming `what` when it is still false after
+    timeout_s. `procs`: (Popen, log path) pairs; one that exits ends the wait with its log."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for p, log in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{what}: process exited with {p.returncode}; log:\n"
+                                   + Path(log).read_text()[-3000:])
+        if pred():
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not ready after {timeout_s}s")
+        time.sleep(interval_s)
+
+
+async def wait_until_async(pred, timeout_s: float, what: str, interval_s: float = 0.01) -> None:
+    """wait_until inside an event loop: pred() is polled between the loop's other work."""
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not ready after {timeout_s}s")
+        await asyncio.sleep(interval_s)
