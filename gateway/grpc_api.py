@@ -24,7 +24,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from gateway.choice_text import Delta
 from gateway.errors import GatewayError, bad_request
 from gateway.limits import InFlight
-from gateway.params import PreparedRequest, Prompt, RawParams, RequestPreparer, Structured
+from gateway.params import (GenerationParams, PreparedRequest, Prompt, RequestPreparer,
+                            Structured)
 from gateway.pipeline import Pipeline
 from gateway.wire import Undecodable, parse_lenient
 from proto import pdserve_pb2, pdserve_pb2_grpc
@@ -34,8 +35,10 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "pdserve.v1.Generation"
 
 
-def request_to_shared(request: pdserve_pb2.GenerateRequest) -> tuple[Prompt, RawParams]:
-    """The shared prompt and raw parameters of a GenerateRequest (see the module docstring)."""
+def request_to_shared(request: pdserve_pb2.GenerateRequest
+                      ) -> tuple[Prompt, GenerationParams]:
+    """The shared prompt and the checked parameters of a GenerateRequest (see the module
+    docstring); GatewayError 400 naming the field."""
     which = request.WhichOneof("prompt")
     if which == "text":
         prompt = Prompt(text=request.text)
@@ -47,21 +50,19 @@ def request_to_shared(request: pdserve_pb2.GenerateRequest) -> tuple[Prompt, Raw
     else:
         raise bad_request("prompt must not be empty", "prompt")
     p = request.params
-    raw = RawParams(max_tokens=p.max_tokens, temperature=p.temperature,
-                    top_p=p.top_p or None, top_k=p.top_k,
-                    seed=p.seed if p.HasField("seed") else None, stop=tuple(p.stop),
-                    ignore_eos=p.ignore_eos, logprobs=p.logprobs, top_logprobs=p.top_logprobs,
-                    cache_salt=request.cache_salt or None, n=p.n or None, min_p=p.min_p,
-                    presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                    repetition_penalty=(p.repetition_penalty
-                                        if p.HasField("repetition_penalty") else None),
-                    logit_bias=tuple((str(k), v) for k, v in sorted(p.logit_bias.items())),
-                    min_tokens=p.min_tokens, stop_token_ids=tuple(p.stop_token_ids),
-                    include_stop_str_in_output=p.include_stop_str_in_output,
-                    skip_special_tokens=(p.skip_special_tokens
-                                         if p.HasField("skip_special_tokens") else True),
-                    echo=request.echo, structured=_structured(p))
-    return prompt, raw
+    params = GenerationParams.from_client(
+        max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p or None,
+        top_k=p.top_k, seed=p.seed if p.HasField("seed") else None, stop=tuple(p.stop),
+        ignore_eos=p.ignore_eos, logprobs=p.logprobs, top_logprobs=p.top_logprobs,
+        n=p.n or None, min_p=p.min_p, presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else None,
+        logit_bias=sorted(p.logit_bias.items()), min_tokens=p.min_tokens,
+        stop_token_ids=tuple(p.stop_token_ids),
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else None,
+        echo=request.echo, structured=_structured(p))
+    return prompt, params
 
 
 def _structured(p: pdserve_pb2.SamplingParams) -> Structured | None:
@@ -117,11 +118,12 @@ class GenerationServicer(pdserve_pb2_grpc.GenerationServicer):
             await abort(context, err)
         try:
             try:
-                prompt, raw = request_to_shared(request)
+                prompt, params = request_to_shared(request)
                 # templating and tokenizing a long prompt takes a while: not on the event loop
-                prepared = await asyncio.to_thread(self.preparer.prepare, prompt, raw,
+                prepared = await asyncio.to_thread(self.preparer.prepare, prompt, params,
                                                    request.model or None,
-                                                   client_request_id=request.request_id)
+                                                   client_request_id=request.request_id,
+                                                   cache_salt=request.cache_salt)
             except GatewayError as err:
                 await abort(context, err)
             echo = ""

@@ -186,15 +186,16 @@ class OpenAIServer:
         plan = None
         if isinstance(body, ChatCompletionRequest):
             plan = body.tool_plan(self.preparer.served.tool_call_parser)
-            prompts, raw = body.to_shared(plan)
+            prompts, params = body.to_shared(plan)
         else:
-            prompts, raw = body.to_shared()
+            prompts, params = body.to_shared()
         rid = uuid.uuid4().hex
-        prepared = [self.preparer.prepare(p, raw, body.model,
-                                          rid if len(prompts) == 1 else f"{rid}-{i}")
+        prepared = [self.preparer.prepare(p, params, body.model,
+                                          rid if len(prompts) == 1 else f"{rid}-{i}",
+                                          cache_salt=body.cache_salt)
                     for i, p in enumerate(prompts)]
         echo = []
-        if raw.echo:
+        if params.echo:
             tok = self.preparer.tokenizer
             echo = [p.text if p.text is not None else tok.decode(r.prompt_token_ids)
                     for p, r in zip(prompts, prepared)]

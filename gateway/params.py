@@ -1,6 +1,8 @@
-"""Shared request validation: both front doors (REST and gRPC) turn their input into `RawParams`
-and a `Prompt`, and `RequestPreparer.prepare` turns those into one `PreparedRequest`. All range
-checks, defaults and error messages live here, so the two front doors cannot drift.
+"""Shared request validation: both front doors (REST and gRPC) turn their input into a
+`GenerationParams` (`from_client`: each field checked once, at the edge) and a `Prompt`, and
+`RequestPreparer.prepare` turns those into one `PreparedRequest` (the checks that need the
+model). All range checks, defaults and error messages live here, so the two front doors cannot
+drift.
 """
 
 from __future__ import annotations
@@ -9,8 +11,8 @@ import json
 import math
 import secrets
 import uuid
-from dataclasses import dataclass
-from typing import Literal, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Literal, Sequence
 
 from gateway.errors import GatewayError, bad_request
 from gateway.chat_template import ChatTemplateError
@@ -73,47 +75,25 @@ class Structured:
 
 
 @dataclass(frozen=True)
-class RawParams:
-    """Sampling fields as the client sent them; None means "not given"."""
+class GenerationParams:
+    """A request's generation parameters: the one type from the gateway's edge to the workers.
 
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    Made by `from_client` (both front doors), which checks every field against what it may be
+    on its own and fills in the defaults (a seed is chosen when the client gave none);
+    `RequestPreparer.prepare` checks what needs the model (token ids within the vocabulary,
+    prompt + max_tokens within the context) and bounds max_tokens, so the params of a
+    PreparedRequest have every field set. `to_proto` is the one conversion to the wire.
+    """
+
+    max_tokens: int | None = None      # None: not given (prepare bounds it by the context)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0          # 0 means off
+    seed: int = field(default_factory=lambda: secrets.randbits(63))
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
-    cache_salt: str | None = None
-    n: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: tuple[tuple[str, float], ...] = ()     # (token id as the client wrote it, bias)
-    min_tokens: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    echo: bool = False
-    structured: Structured | None = None
-    max_tokens_param: str = "max_tokens"    # the field the client set max_tokens with
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    """Validated, fully resolved sampling parameters (every field set; seed always chosen)."""
-
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int          # 0 means off
-    seed: int
-    stop: tuple[str, ...]
-    ignore_eos: bool
-    logprobs: bool
-    top_logprobs: int
     n: int = 1
     min_p: float = 0.0
     presence_penalty: float = 0.0
@@ -126,8 +106,73 @@ class GenerationParams:
     skip_special_tokens: bool = True
     echo: bool = False
     structured: Structured | None = None
+    max_tokens_param: str = "max_tokens"    # the field the client set max_tokens with
+
+    @classmethod
+    def from_client(cls, logit_bias: Iterable[tuple[Any, float]] = (),
+                    **given: Any) -> "GenerationParams":
+        """The parameters as a client gave them (a None value: not given, the default);
+        GatewayError 400 naming the field for a value out of its range. `logit_bias`: (token
+        id as the client wrote it, bias) pairs; a later pair for the same id wins."""
+        params = cls(**{k: v for k, v in given.items() if v is not None})
+        params._check()
+        bias = _logit_bias(logit_bias)
+        return replace(params, top_k=max(params.top_k, 0), logit_bias=bias,
+                       logprobs=params.logprobs or params.top_logprobs > 0,
+                       temperature=float(params.temperature), top_p=float(params.top_p),
+                       min_p=float(params.min_p),
+                       presence_penalty=float(params.presence_penalty),
+                       frequency_penalty=float(params.frequency_penalty),
+                       repetition_penalty=float(params.repetition_penalty))
+
+    def _check(self) -> None:
+        _check_finite(self.temperature, "temperature")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise bad_request(f"temperature must be between 0 and 2, got {self.temperature}",
+                              "temperature")
+        _check_finite(self.top_p, "top_p")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad_request(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < -1:
+            raise bad_request(f"top_k must be -1 or 0 (off) or a positive number, got "
+                              f"{self.top_k}", "top_k")
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise bad_request(f"seed must be in [0, 2^64), got {self.seed}", "seed")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad_request(f"{self.max_tokens_param} must be at least 1, got "
+                              f"{self.max_tokens}", self.max_tokens_param)
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, "
+                              f"got {self.top_logprobs}", "top_logprobs")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are supported, "
+                              f"got {len(self.stop)}", "stop")
+        if any(not s for s in self.stop):
+            raise bad_request("stop strings must not be empty", "stop")
+        if not 1 <= self.n <= MAX_N:
+            raise bad_request(f"n must be between 1 and {MAX_N}, got {self.n}", "n")
+        self._check_penalties()
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad_request(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are supported, got "
+                              f"{len(self.stop_token_ids)}", "stop_token_ids")
+        if self.echo and self.logprobs:
+            raise bad_request("echo with logprobs is not supported (it needs the prompt's "
+                              "logprobs, which pdserve does not compute); drop one of them",
+                              "echo")
+        if self.structured is not None:
+            _check_structured(self.structured)
+        check_ints(self, {"max_tokens": self.max_tokens_param})
+
+    def _check_penalties(self) -> None:
+        _check_range(self.min_p, 0.0, 1.0, "min_p")
+        _check_range(self.presence_penalty, -2.0, 2.0, "presence_penalty")
+        _check_range(self.frequency_penalty, -2.0, 2.0, "frequency_penalty")
+        _check_range(self.repetition_penalty, 0.0, 2.0, "repetition_penalty", open_low=True)
+        if self.min_tokens < 0:
+            raise bad_request(f"min_tokens must be >= 0, got {self.min_tokens}", "min_tokens")
 
     def to_proto(self) -> pdserve_pb2.SamplingParams:
+        """The wire form (params of a PreparedRequest: max_tokens is set)."""
         msg = pdserve_pb2.SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
             max_tokens=self.max_tokens, ignore_eos=self.ignore_eos, stop=list(self.stop),
@@ -197,52 +242,26 @@ def _check_range(value: float | None, lo: float, hi: float, param: str,
         raise bad_request(f"{param} must be in {where}, got {value}", param)
 
 
-def _check_sampling(raw: RawParams) -> None:
-    if raw.temperature is not None:
-        _check_finite(raw.temperature, "temperature")
-        if not 0.0 <= raw.temperature <= 2.0:
-            raise bad_request(f"temperature must be between 0 and 2, got {raw.temperature}",
-                              "temperature")
-    if raw.top_p is not None:
-        _check_finite(raw.top_p, "top_p")
-        if not 0.0 < raw.top_p <= 1.0:
-            raise bad_request(f"top_p must be in (0, 1], got {raw.top_p}", "top_p")
-    if raw.top_k is not None and raw.top_k < -1:
-        raise bad_request(f"top_k must be -1 or 0 (off) or a positive number, got {raw.top_k}",
-                          "top_k")
-    if raw.seed is not None and not 0 <= raw.seed < SEED_LIMIT:
-        raise bad_request(f"seed must be in [0, 2^64), got {raw.seed}", "seed")
-    if raw.max_tokens is not None and raw.max_tokens < 1:
-        raise bad_request(f"{raw.max_tokens_param} must be at least 1, got {raw.max_tokens}",
-                          raw.max_tokens_param)
-    if not 0 <= raw.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise bad_request(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, "
-                          f"got {raw.top_logprobs}", "top_logprobs")
-    if len(raw.stop) > MAX_STOP_STRINGS:
-        raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are supported, "
-                          f"got {len(raw.stop)}", "stop")
-    if any(not s for s in raw.stop):
-        raise bad_request("stop strings must not be empty", "stop")
-    if raw.n is not None and not 1 <= raw.n <= MAX_N:
-        raise bad_request(f"n must be between 1 and {MAX_N}, got {raw.n}", "n")
-    _check_range(raw.min_p, 0.0, 1.0, "min_p")
-    _check_range(raw.presence_penalty, -2.0, 2.0, "presence_penalty")
-    _check_range(raw.frequency_penalty, -2.0, 2.0, "frequency_penalty")
-    _check_range(raw.repetition_penalty, 0.0, 2.0, "repetition_penalty", open_low=True)
-    if raw.min_tokens is not None and raw.min_tokens < 0:
-        raise bad_request(f"min_tokens must be >= 0, got {raw.min_tokens}", "min_tokens")
-    if len(raw.logit_bias) > MAX_LOGIT_BIAS:
+def _logit_bias(bias: Iterable[tuple[Any, float]]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: {"token id": bias in [-100, 100]}, as sorted (id, bias) pairs (the
+    ids are held to the vocabulary by RequestPreparer)."""
+    pairs = list(bias)
+    if len(pairs) > MAX_LOGIT_BIAS:
         raise bad_request(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got "
-                          f"{len(raw.logit_bias)}", "logit_bias")
-    if len(raw.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise bad_request(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are supported, got "
-                          f"{len(raw.stop_token_ids)}", "stop_token_ids")
-    if raw.echo and raw.logprobs:
-        raise bad_request("echo with logprobs is not supported (it needs the prompt's "
-                          "logprobs, which pdserve does not compute); drop one of them", "echo")
-    if raw.structured is not None:
-        _check_structured(raw.structured)
-    check_ints(raw, {"max_tokens": raw.max_tokens_param})
+                          f"{len(pairs)}", "logit_bias")
+    out: dict[int, float] = {}
+    for key, value in pairs:
+        try:
+            tok = int(key)
+        except (TypeError, ValueError):
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
+                              "logit_bias") from None
+        _check_finite(float(value), "logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise bad_request(f"logit_bias values must be in [-100, 100], got {value} for "
+                              f"token {tok}", "logit_bias")
+        out[tok] = float(value)
+    return tuple(sorted(out.items()))
 
 
 def _check_structured(st: Structured) -> None:
@@ -316,32 +335,14 @@ class RequestPreparer:
                                   f"vocabulary range [0, {vocab})", "prompt")
         return tuple(ids)
 
-    def _vocab_ids(self, ids: Sequence[int], param: str) -> tuple[int, ...]:
+    def _check_vocab(self, ids: Iterable[int], param: str) -> None:
         vocab = self.tokenizer.vocab_size
         for tok in ids:
             if not 0 <= tok < vocab:
                 raise bad_request(f"{param}: token id {tok} is out of the vocabulary range "
                                   f"[0, {vocab})", param)
-        return tuple(ids)
 
-    def _logit_bias(self, bias: Sequence[tuple[str, float]]) -> tuple[tuple[int, float], ...]:
-        """OpenAI's logit_bias: {"token id": bias in [-100, 100]}; ids must be in the vocabulary."""
-        out: dict[int, float] = {}
-        for key, value in bias:
-            try:
-                tok = int(key)
-            except (TypeError, ValueError):
-                raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
-                                  "logit_bias") from None
-            self._vocab_ids([tok], "logit_bias")
-            _check_finite(float(value), "logit_bias")
-            if not -100.0 <= value <= 100.0:
-                raise bad_request(f"logit_bias values must be in [-100, 100], got {value} for "
-                                  f"token {tok}", "logit_bias")
-            out[tok] = float(value)
-        return tuple(sorted(out.items()))
-
-    def _max_tokens(self, raw: RawParams, kind: str, num_prompt: int) -> int:
+    def _max_tokens(self, params: GenerationParams, kind: str, num_prompt: int) -> int:
         limit = self.served.max_model_len
         where = "messages" if kind == "chat" else "prompt"
         if num_prompt >= limit:
@@ -349,55 +350,40 @@ class RequestPreparer:
                               f"{where} has {num_prompt} tokens, which leaves no room for the "
                               f"completion. Please shorten the {where}.", where)
         rest = limit - num_prompt
-        if raw.max_tokens is None:
+        if params.max_tokens is None:
             if kind == "completion":
                 return min(DEFAULT_COMPLETION_MAX_TOKENS, rest)
             return min(self.served.max_tokens_default or rest, rest)
-        if num_prompt + raw.max_tokens > limit:
+        if num_prompt + params.max_tokens > limit:
             raise bad_request(f"This model's maximum context length is {limit} tokens. However, "
-                              f"you requested {num_prompt + raw.max_tokens} tokens ({num_prompt} "
-                              f"in the {where}, {raw.max_tokens} in the completion). Please "
-                              f"reduce the length of the {where} or the completion.",
-                              raw.max_tokens_param)
-        return raw.max_tokens
+                              f"you requested {num_prompt + params.max_tokens} tokens "
+                              f"({num_prompt} in the {where}, {params.max_tokens} in the "
+                              f"completion). Please reduce the length of the {where} or the "
+                              f"completion.", params.max_tokens_param)
+        return params.max_tokens
 
-    def prepare(self, prompt: Prompt, raw: RawParams, model: str | None = None,
-                request_id: str | None = None, client_request_id: str = "") -> PreparedRequest:
-        """`request_id`: the gateway's id for the request (default: a fresh one); a client's
-        own id is only `client_request_id`, so two clients can never collide on a worker."""
+    def prepare(self, prompt: Prompt, params: GenerationParams, model: str | None = None,
+                request_id: str | None = None, client_request_id: str = "",
+                cache_salt: str | None = None) -> PreparedRequest:
+        """`params` as a front door made them (`GenerationParams.from_client`); `request_id`:
+        the gateway's id for the request (default: a fresh one); a client's own id is only
+        `client_request_id`, so two clients can never collide on a worker."""
         self.check_model(model)
         if len(client_request_id) > MAX_REQUEST_ID:
             raise bad_request(f"request_id must be at most {MAX_REQUEST_ID} characters",
                               "request_id")
-        _check_sampling(raw)
         ids = self.prompt_ids(prompt)
-        max_tokens = self._max_tokens(raw, prompt.kind, len(ids))
-        min_tokens = raw.min_tokens or 0
-        if min_tokens > max_tokens:
-            raise bad_request(f"min_tokens ({min_tokens}) must not exceed the output's bound "
-                              f"({raw.max_tokens_param} = {max_tokens})", "min_tokens")
-        params = GenerationParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if raw.temperature is None else float(raw.temperature),
-            top_p=1.0 if raw.top_p is None else float(raw.top_p),
-            top_k=max(raw.top_k or 0, 0),
-            seed=secrets.randbits(63) if raw.seed is None else raw.seed,
-            stop=tuple(raw.stop), ignore_eos=raw.ignore_eos,
-            logprobs=raw.logprobs or raw.top_logprobs > 0, top_logprobs=raw.top_logprobs,
-            n=raw.n or 1, min_p=float(raw.min_p or 0.0),
-            presence_penalty=float(raw.presence_penalty or 0.0),
-            frequency_penalty=float(raw.frequency_penalty or 0.0),
-            repetition_penalty=(1.0 if raw.repetition_penalty is None
-                                else float(raw.repetition_penalty)),
-            logit_bias=self._logit_bias(raw.logit_bias), min_tokens=min_tokens,
-            stop_token_ids=self._vocab_ids(raw.stop_token_ids, "stop_token_ids"),
-            include_stop_str_in_output=raw.include_stop_str_in_output,
-            skip_special_tokens=raw.skip_special_tokens, echo=raw.echo,
-            structured=raw.structured)
-        salt = raw.cache_salt or ""
+        max_tokens = self._max_tokens(params, prompt.kind, len(ids))
+        if params.min_tokens > max_tokens:
+            raise bad_request(f"min_tokens ({params.min_tokens}) must not exceed the output's "
+                              f"bound ({params.max_tokens_param} = {max_tokens})", "min_tokens")
+        self._check_vocab((tok for tok, _ in params.logit_bias), "logit_bias")
+        self._check_vocab(params.stop_token_ids, "stop_token_ids")
+        salt = cache_salt or ""
         if len(salt) > MAX_CACHE_SALT:
             raise bad_request(f"cache_salt must be at most {MAX_CACHE_SALT} characters, got "
                               f"{len(salt)}", "cache_salt")
         return PreparedRequest(request_id=request_id or uuid.uuid4().hex, model=self.served.name,
-                               kind=prompt.kind, prompt_token_ids=ids, params=params,
-                               cache_salt=salt, client_request_id=client_request_id)
+                               kind=prompt.kind, prompt_token_ids=ids,
+                               params=replace(params, max_tokens=max_tokens), cache_salt=salt,
+                               client_request_id=client_request_id)

@@ -97,7 +97,7 @@ class _LatencyTimer:
                 self.first = False
             else:
                 self.m.itl.observe(now - self.last)
-            for _ in d.token_ids[1:]:          # tokens that arrived together reach the client together
+            for _ in d.token_ids[1:]:     # tokens that arrived together reach the client together
                 self.m.itl.observe(0.0)
             self.m.generated.inc(len(d.token_ids))
             self.last = now

@@ -1,7 +1,7 @@
 """Request models of the OpenAI-compatible REST API (pydantic v2) and their translation into the
-shared `Prompt` + `RawParams` (see params.py). Unknown fields are refused (extra="forbid"), and
-so are values of another JSON type (strict: no true for a number, no "1" for an integer; 2.0
-is the integer 2, as JSON Schema reads it).
+shared `Prompt` + `GenerationParams` (see params.py). Unknown fields are refused
+(extra="forbid"), and so are values of another JSON type (strict: no true for a number, no "1"
+for an integer; 2.0 is the integer 2, as JSON Schema reads it).
 
 Beyond OpenAI's fields, vLLM's sampling extensions are accepted (top_k, min_p,
 repetition_penalty, min_tokens, stop_token_ids, include_stop_str_in_output,
@@ -10,14 +10,13 @@ clients written for vLLM work unchanged. Accepted but limited: best_of (only = n
 use_beam_search (only false), suffix (only none); `user` is an end-user id for the caller's
 records and changes nothing. Range checks shared with the gRPC front door live in params.py;
 the OpenAPI schema states them (and the rules across fields that as_template_dict, params.py and
-tools.py apply) so that it describes exactly the requests that are valid, bar what it cannot
+gateway/tools/ apply) so that it describes exactly the requests that are valid, bar what it cannot
 know (the vocabulary, the context left, best_of = n).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, model_validator
@@ -26,7 +25,7 @@ from pydantic_core import PydanticCustomError
 from gateway.errors import GatewayError, bad_request
 from gateway.params import (MAX_CACHE_SALT, MAX_CHOICES, MAX_LOGIT_BIAS, MAX_N,
                             MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_STRUCTURED_CHARS,
-                            MAX_TOP_LOGPROBS, SEED_LIMIT, Prompt, RawParams, Structured)
+                            MAX_TOP_LOGPROBS, SEED_LIMIT, GenerationParams, Prompt, Structured)
 from gateway.tools.validation import check_tools
 from gateway.wire import bad_text
 
@@ -66,7 +65,7 @@ class RequestBody(_Strict):
         return data
 
 
-# The OpenAPI schema (/openapi.json) states the bounds that params.py and tools.py check, so
+# The OpenAPI schema (/openapi.json) states the bounds that params.py and gateway/tools/ check, so
 # clients and schema-driven fuzzers see what is valid. They are documented here and checked
 # there (with the messages both front doors share): pydantic does not enforce them.
 
@@ -351,21 +350,21 @@ class _CommonRequest(RequestBody):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
-    def _raw(self, max_tokens: int | None, logprobs: bool, top_logprobs: int,
-             max_tokens_param: str = "max_tokens", echo: bool = False) -> RawParams:
-        return RawParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                         top_k=self.top_k, seed=self.seed, stop=self._stop(),
-                         ignore_eos=self.ignore_eos, logprobs=logprobs,
-                         top_logprobs=top_logprobs, cache_salt=self.cache_salt, n=self.n,
-                         min_p=self.min_p, presence_penalty=self.presence_penalty,
-                         frequency_penalty=self.frequency_penalty,
-                         repetition_penalty=self.repetition_penalty,
-                         logit_bias=tuple((self.logit_bias or {}).items()),
-                         min_tokens=self.min_tokens,
-                         stop_token_ids=tuple(self.stop_token_ids or ()),
-                         include_stop_str_in_output=self.include_stop_str_in_output,
-                         skip_special_tokens=self.skip_special_tokens, echo=echo,
-                         structured=self._structured(), max_tokens_param=max_tokens_param)
+    def _params(self, max_tokens: int | None, logprobs: bool, top_logprobs: int,
+                max_tokens_param: str = "max_tokens", echo: bool = False,
+                structured: Structured | None = None) -> GenerationParams:
+        """The request's generation parameters, checked (GatewayError 400 naming the field)."""
+        return GenerationParams.from_client(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=self.top_k, seed=self.seed, stop=self._stop(), ignore_eos=self.ignore_eos,
+            logprobs=logprobs, top_logprobs=top_logprobs, n=self.n, min_p=self.min_p,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=(self.logit_bias or {}).items(), min_tokens=self.min_tokens,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens, echo=echo, structured=structured,
+            max_tokens_param=max_tokens_param)
 
 
 class CompletionRequest(_CommonRequest):
@@ -395,9 +394,8 @@ class CompletionRequest(_CommonRequest):
         return [Prompt(text=p) if isinstance(p, str) else Prompt(token_ids=tuple(p))
                 for p in self.prompt]
 
-    def to_shared(self) -> tuple[list[Prompt], RawParams]:
-        """The shared prompts and raw parameters; raises GatewayError (400) on what only the
-        completions API can get wrong."""
+    def to_shared(self) -> tuple[list[Prompt], GenerationParams]:
+        """The shared prompts and the checked parameters; raises GatewayError (400)."""
         self._check_common()
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
@@ -405,8 +403,8 @@ class CompletionRequest(_CommonRequest):
         if lp is not None and not 0 <= lp <= MAX_TOP_LOGPROBS:
             raise bad_request(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {lp}",
                               "logprobs")
-        return self.prompts(), self._raw(self.max_tokens, lp is not None, lp or 0,
-                                         echo=bool(self.echo))
+        return self.prompts(), self._params(self.max_tokens, lp is not None, lp or 0,
+                                            echo=bool(self.echo), structured=self._structured())
 
 
 class ChatCompletionRequest(_CommonRequest):
@@ -431,7 +429,7 @@ class ChatCompletionRequest(_CommonRequest):
         """The request's tool calling, validated (gateway.tools.validation.ToolPlan)."""
         return check_tools(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
 
-    def to_shared(self, plan=None) -> tuple[list[Prompt], RawParams]:
+    def to_shared(self, plan=None) -> tuple[list[Prompt], GenerationParams]:
         """`plan`: the request's tool_plan (None: no tools)."""
         self._check_common()
         if self.top_logprobs and not self.logprobs:
@@ -446,16 +444,16 @@ class ChatCompletionRequest(_CommonRequest):
                       else self.max_tokens)
         param = ("max_completion_tokens" if self.max_completion_tokens is not None
                  else "max_tokens")
-        raw = self._raw(max_tokens, bool(self.logprobs), self.top_logprobs or 0, param)
+        structured = self._structured()
         schema = plan.schema() if plan is not None else None
         if schema is not None:             # "required" / a named function: the call parses
-            if raw.structured is not None:
+            if structured is not None:
                 raise bad_request("tool_choice required or a named function already constrains "
                                   "the output; drop response_format / structured_outputs",
                                   "tool_choice")
-            raw = replace(raw, structured=Structured("json_schema",
-                                                     json.dumps(schema, ensure_ascii=False)))
-        return [prompt], raw
+            structured = Structured("json_schema", json.dumps(schema, ensure_ascii=False))
+        return [prompt], self._params(max_tokens, bool(self.logprobs), self.top_logprobs or 0,
+                                      param, structured=structured)
 
 
 def _loc(err: dict) -> list[str]:

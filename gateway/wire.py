@@ -8,7 +8,7 @@ models check every field at once before anything reads them. gRPC requests canno
 the proto parser refuses a string that is not UTF-8 (`parse_lenient` turns that into an
 INVALID_ARGUMENT rather than grpc's UNKNOWN).
 
-Integers: `check_ints` holds every integer of a RawParams to the range of its SamplingParams
+Integers: `check_ints` holds every integer of a GenerationParams to the range of its SamplingParams
 field's type (int32, uint32, int64, uint64), read from the proto descriptor, so a new field is
 covered without a list kept by hand. REST integers are unbounded JSON numbers; gRPC ones are in
 range by construction (the parser truncates a varint to its field's width). Token ids are held
@@ -54,7 +54,7 @@ _SAMPLING_INTS = sampling_int_fields()
 def check_ints(raw: Any, names: dict[str, str] | None = None) -> None:
     """Every integer field of the dataclass RAW that SamplingParams has too (a value or a
     sequence of them) fits that field's type; GatewayError 400 naming the field otherwise.
-    `names`: the request field a RawParams field came from, where it differs."""
+    `names`: the request field a GenerationParams field came from, where it differs."""
     for f in fields(raw):
         kind = _SAMPLING_INTS.get(f.name)
         value = getattr(raw, f.name)

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from gateway.errors import GatewayError
-from gateway.params import Prompt, RawParams, RequestPreparer, ServedModel
+from gateway.params import GenerationParams, Prompt, RequestPreparer, ServedModel
 from gateway.pipeline import Pipeline, PipelineConfig
 from gateway.router import Route
 from gateway.tokenizer import Tokenizer
@@ -158,8 +158,8 @@ def run(preparer, scripts: list[Script], n: int = 1, prefill_fail_from: int | No
         **config):
     """(deltas, error or None, cluster, metrics) of one request through the scripted workers."""
     ids = preparer.tokenizer.encode(TEXT, add_special_tokens=False)
-    prepared = preparer.prepare(Prompt(text="Count:"), RawParams(max_tokens=len(ids), n=n,
-                                                                 ignore_eos=True))
+    params = GenerationParams.from_client(max_tokens=len(ids), n=n, ignore_eos=True)
+    prepared = preparer.prepare(Prompt(text="Count:"), params)
 
     async def go():
         cluster = Cluster(scripts)

@@ -7,7 +7,7 @@ import pytest
 
 from gateway.choice_text import ChoiceText, Delta, StopStrings, TokenLogprob
 from gateway.openai_format import OpenAIFormatter
-from gateway.params import Prompt, RawParams, RequestPreparer, ServedModel
+from gateway.params import GenerationParams, Prompt, RequestPreparer, ServedModel
 from gateway.tokenizer import Tokenizer
 from proto import pdserve_pb2 as pb
 
@@ -47,7 +47,7 @@ def preparer(model_dir):
 
 
 def _run(preparer, text: str, batches, **raw):
-    prepared = preparer.prepare(Prompt(text="Say:"), RawParams(**raw))
+    prepared = preparer.prepare(Prompt(text="Say:"), GenerationParams.from_client(**raw))
     state = ChoiceText(preparer.tokenizer, prepared)
     tok = preparer.tokenizer
     ids = tok.encode(text)
@@ -90,7 +90,7 @@ def _delta(tok, text, finish=None, count=1, logprob=True):
 
 def test_chat_stream_and_response_shapes(preparer):
     prepared = preparer.prepare(Prompt(messages=({"role": "user", "content": "Hi"},)),
-                                RawParams(logprobs=True, top_logprobs=2))
+                                GenerationParams.from_client(logprobs=True, top_logprobs=2))
     fmt = OpenAIFormatter(prepared, preparer.tokenizer, include_usage=True)
     tok = preparer.tokenizer
     role = fmt.role_chunk()
@@ -111,7 +111,8 @@ def test_chat_stream_and_response_shapes(preparer):
 
 
 def test_completion_logprobs_shape(preparer):
-    prepared = preparer.prepare(Prompt(text="x"), RawParams(logprobs=True, top_logprobs=3))
+    params = GenerationParams.from_client(logprobs=True, top_logprobs=3)
+    prepared = preparer.prepare(Prompt(text="x"), params)
     fmt = OpenAIFormatter(prepared, preparer.tokenizer)
     tok = preparer.tokenizer
     full = fmt.response([_delta(tok, "Hello"), _delta(tok, " world", "length", 2)])

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from gateway.errors import GatewayError
 from gateway.limits import InFlight
 from gateway.openai_api import create_app
-from gateway.params import Prompt, RawParams, RequestPreparer, ServedModel
+from gateway.params import GenerationParams, Prompt, RequestPreparer, ServedModel
 from gateway.pipeline import Pipeline
 from gateway.router import Router
 from gateway.tokenizer import Tokenizer
@@ -210,30 +210,32 @@ def test_models_health_and_unknown_routes(client):
 def test_a_clients_request_id_is_metadata_only(preparer):
     """Workers know a request by the gateway's id: two clients giving the same id (or one
     naming another request's choice, "abc#1") cannot collide there."""
-    a = preparer.prepare(Prompt(text="x"), RawParams(), client_request_id="abc#1")
-    b = preparer.prepare(Prompt(text="x"), RawParams(), client_request_id="abc#1")
+    params = GenerationParams.from_client()
+    a = preparer.prepare(Prompt(text="x"), params, client_request_id="abc#1")
+    b = preparer.prepare(Prompt(text="x"), params, client_request_id="abc#1")
     assert a.request_id != b.request_id and "#" not in a.request_id
     assert a.public_id == b.public_id == "abc#1"
     with pytest.raises(GatewayError) as e:
-        preparer.prepare(Prompt(text="x"), RawParams(), client_request_id="x" * 10_000)
+        preparer.prepare(Prompt(text="x"), params, client_request_id="x" * 10_000)
     assert e.value.param == "request_id" and e.value.status == 400
 
 
 def test_defaults_like_vllm(preparer):
-    text = preparer.prepare(Prompt(text="Hello"), RawParams())
+    defaults = GenerationParams.from_client
+    text = preparer.prepare(Prompt(text="Hello"), defaults())
     assert text.params.max_tokens == 16
     assert (text.params.temperature, text.params.top_p, text.params.top_k) == (1.0, 1.0, 0)
-    chat = preparer.prepare(Prompt(messages=({"role": "user", "content": "Hi"},)), RawParams())
+    chat = preparer.prepare(Prompt(messages=({"role": "user", "content": "Hi"},)), defaults())
     assert chat.params.max_tokens == MAX_LEN - chat.num_prompt_tokens   # no default set
     bounded = RequestPreparer(preparer.tokenizer, ServedModel(MODEL, MAX_LEN,
                                                               max_tokens_default=8))
-    chat = bounded.prepare(Prompt(messages=({"role": "user", "content": "Hi"},)), RawParams())
+    chat = bounded.prepare(Prompt(messages=({"role": "user", "content": "Hi"},)), defaults())
     assert chat.params.max_tokens == 8
     assert chat.prompt_token_ids == tuple(
         preparer.tokenizer.encode_chat([{"role": "user", "content": "Hi"}]))
-    seeds = {preparer.prepare(Prompt(text="x"), RawParams()).params.seed for _ in range(4)}
+    seeds = {preparer.prepare(Prompt(text="x"), defaults()).params.seed for _ in range(4)}
     assert len(seeds) == 4  # a fresh random seed per request
-    fixed = preparer.prepare(Prompt(token_ids=(1, 2)), RawParams(seed=7, top_k=-1, stop=("a",)))
+    fixed = preparer.prepare(Prompt(token_ids=(1, 2)), defaults(seed=7, top_k=-1, stop=("a",)))
     assert (fixed.params.seed, fixed.params.top_k, fixed.params.stop) == (7, 0, ("a",))
     assert fixed.request_id != text.request_id
 
