@@ -32,6 +32,7 @@ from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from tests.conftest import free_port
 from tests.test_kvtransfer import LAYOUT, endpoints, pool, target
+from tests.waiting import wait_until_async
 
 
 def kv_pool(layout: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:
@@ -217,11 +218,9 @@ def test_torch_and_nixl_receivers_refuse_what_breaks_the_rules(name):
                 try:
                     await steps(stream)
                 except KVTransferError:
-                    pass
-                for _ in range(500):
-                    if rid in sink.rejected or rid in sink.completed:
-                        break
-                    await asyncio.sleep(0.01)
+                    pass                            # refused: what was refused is asserted
+                await wait_until_async(lambda: rid in sink.rejected or rid in sink.completed,
+                                       10, f"request {rid} refused or completed")
                 return sink.rejected.get(rid)
 
             async def early(s):
@@ -233,10 +232,8 @@ def test_torch_and_nixl_receivers_refuse_what_breaks_the_rules(name):
 
             async def corrupted(s):
                 await s.send([1], [5])
-                for _ in range(500):                        # until the WRITE has landed
-                    if torch.equal(sink.kv[:, :, 5], src[:, :, 1]):
-                        break
-                    await asyncio.sleep(0.01)
+                await wait_until_async(lambda: torch.equal(sink.kv[:, :, 5], src[:, :, 1]), 10,
+                                       "the WRITE landing")
                 sink.kv[0, 1, 5, 2, 1, 3] += 1.0            # and a stray write after it
                 await s.finish(5, None)
 
@@ -362,7 +359,9 @@ def test_torch_refuses_a_channel_announced_without_the_token(token):
     assert not sink.completed and sink.kv.abs().sum() == 0
 
 
-def test_nixl_ignores_notices_without_the_token(token):
+def test_nixl_ignores_notices_without_the_token(token, caplog):
+    refused = "request r: ignoring a NIXL notification without the deployment's signature"
+
     async def body():
         sink = MemorySink(LAYOUT, 8)
         async with endpoints("nixl", sink, SRC) as (sender, receiver):
@@ -370,7 +369,8 @@ def test_nixl_ignores_notices_without_the_token(token):
             token("another")                            # a stranger's notice
             stranger = create_sender("nixl", LAYOUT, kv=SRC)
             await stranger.send("r", SRC, [2], target(receiver, [1]), 3, None)
-            await asyncio.sleep(0.3)
+            await wait_until_async(lambda: refused in caplog.messages, 10,
+                                   "the receiver reading the stranger's notice")
             await stranger.close()
             ignored = "r" not in sink.completed and "r" in sink.reservations
             sink.reservations["s"] = [2]
@@ -517,10 +517,8 @@ def test_corrupted_kv_fails_the_request_or_is_recomputed(model_dir, policy):
                 stub = pb_grpc.DecodeWorkerStub(ch)
                 got = await asyncio.wait_for(decode(stub, "r"), 60)
                 local = await asyncio.wait_for(decode(stub, "local", local=True), 60)
-            for _ in range(100):                        # the stream's end frees the blocks
-                if engine.pool.num_free == engine.pool.num_blocks:
-                    break
-                await asyncio.sleep(0.02)
+            await wait_until_async(lambda: engine.pool.num_free == engine.pool.num_blocks, 10,
+                                   "the stream's end freeing the blocks")
         finally:
             await servicer.close()
             await server.stop(None)

@@ -21,7 +21,7 @@ def wait_until(pred, timeout_s: float, what: str, procs=(), interval_s: float = 
         if pred():
             return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not ready after {timeout_s}s")
+            raise TimeoutError(f"waited {timeout_s}s for {what}")
         time.sleep(interval_s)
 
 
@@ -30,5 +30,5 @@ async def wait_until_async(pred, timeout_s: float, what: str, interval_s: float 
     deadline = time.monotonic() + timeout_s
     while not pred():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not ready after {timeout_s}s")
+            raise TimeoutError(f"waited {timeout_s}s for {what}")
         await asyncio.sleep(interval_s)
