@@ -13,13 +13,14 @@ import logging
 import grpc
 
 from engine.async_engine import AsyncEngine
-from engine.request import Request, RequestOutput
+from engine.request import RequestOutput
 from kvtransfer import TransferTarget, create_receiver
 from kvtransfer.connector import EngineSink
 from kvtransfer.wire import logprob_to_pb, target_to_pb
 from cluster.metrics import WorkerMetrics
+from serving.params import request_from_pb
 from serving.worker import (ADMISSION_ERRORS, Grammars, WorkerIdentity, output_error_code, refuse,
-                            sampling_from_pb, serve, worker_stats)
+                            serve, worker_stats)
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
@@ -101,9 +102,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             if "#" in rid:
                 raise ValueError(f"request id {rid!r} contains '#' (reserved for the ids of a "
                                  "request's choices)")
-            req = Request(rid, list(request.prompt_token_ids), sampling_from_pb(request.params),
-                          output_token_ids=list(request.resume_token_ids),
-                          cache_salt=request.cache_salt)
+            req = request_from_pb(rid, request)
             await self.grammars.attach(req)
             queue = self.aengine.open_stream(rid, req.params.n)
         except ValueError as exc:

@@ -19,13 +19,13 @@ import time
 import grpc
 
 from engine.async_engine import AsyncEngine
-from engine.request import Request
 from kvtransfer import (KVTransferError, LayoutMismatch, block_bytes, check_layout,
                         create_sender)
 from kvtransfer.wire import target_from_pb
 from cluster.metrics import WorkerMetrics
+from serving.params import request_from_pb
 from serving.worker import (ADMISSION_ERRORS, Grammars, WorkerIdentity, output_error_code, refuse,
-                            sampling_from_pb, serve, worker_stats)
+                            serve, worker_stats)
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
@@ -61,9 +61,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                                 f"prefill worker runs {self.sender.name!r}")
         try:
             check_layout(self.layout, target.layout)
-            req = Request(rid, list(request.prompt_token_ids), sampling_from_pb(request.params),
-                          output_token_ids=list(request.resume_token_ids),
-                          cache_salt=request.cache_salt)
+            req = request_from_pb(rid, request)
             await self.grammars.attach(req)        # the first token follows the grammar too
         except LayoutMismatch as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))

@@ -97,40 +97,6 @@ class WorkerIdentity:
     served_model: str
 
 
-def structured_from_pb(p):
-    """proto StructuredOutput -> engine.structured.StructuredSpec, or None when unset."""
-    which = p.WhichOneof("kind")
-    if which is None:
-        return None
-    import json
-
-    from engine.structured import StructuredSpec
-
-    if which == "json_object":
-        return StructuredSpec("json_object")
-    if which == "choice":
-        return StructuredSpec("choice", json.dumps(list(p.choice.choices), ensure_ascii=False))
-    return StructuredSpec(which, getattr(p, which))
-
-
-def sampling_from_pb(p):
-    """proto SamplingParams -> engine SamplingParams (raises ValueError on bad values)."""
-    from engine.request import SamplingParams
-
-    return SamplingParams(temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k,
-                          seed=p.seed if p.HasField("seed") else 0,
-                          max_tokens=max(p.max_tokens, 1), ignore_eos=p.ignore_eos,
-                          logprobs=p.logprobs or p.top_logprobs > 0, top_logprobs=p.top_logprobs,
-                          min_p=p.min_p, presence_penalty=p.presence_penalty,
-                          frequency_penalty=p.frequency_penalty,
-                          repetition_penalty=(p.repetition_penalty
-                                              if p.HasField("repetition_penalty") else 1.0),
-                          logit_bias=tuple(sorted(p.logit_bias.items())),
-                          min_tokens=p.min_tokens, stop_token_ids=tuple(p.stop_token_ids),
-                          n=p.n or 1, structured=structured_from_pb(p.structured)
-                          if p.HasField("structured") else None)
-
-
 class Grammars:
     """Structured outputs on a worker: a request's grammar is compiled (xgrammar, cached by
     spec) on a thread of its own, never the engine's, and the request gets its grammar state
