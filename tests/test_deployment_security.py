@@ -268,11 +268,13 @@ def test_a_worker_without_the_token_is_not_taken_in(secured):
     try:
         wait_until(lambda: "stranger" in _registered(secured), 120, "the stranger registers",
                    [(stranger.popen, stranger.log)])
-        time.sleep(2.0)                             # a few polls of the gateway
+        # the gateway's poll that read the stranger's entry logs this before it applies the
+        # list it read, in the same turn of its event loop: /health after it sees that list
+        wait_until(lambda: "ignoring the registration of 'stranger'"
+                   in secured.gateway.log.read_text(), 60, "the gateway reading the stranger",
+                   [(secured.gateway.popen, secured.gateway.log)])
         health = httpx.get(secured.gateway.http + "/health", timeout=5).json()
         assert health["workers"]["decode"] == 1
-        log = secured.gateway.log.read_text()
-        assert "ignoring the registration of 'stranger'" in log
     finally:
         stranger.kill()
         secured.procs.remove(stranger)
