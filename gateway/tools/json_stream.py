@@ -37,6 +37,8 @@ _LITERALS = ("true", "false", "null", "NaN", "Infinity", "-Infinity")
 _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r",
             "t": "\t"}
 _HEX = frozenset("0123456789abcdefABCDEF")
+_STRING_STATES = frozenset(("string", "escape", "unicode", "pair_digits", "pair_backslash",
+                            "pair_u"))
 
 
 class JsonLexer:
@@ -77,8 +79,27 @@ class JsonLexer:
     def _emit(self, kind: int, payload: Any = None) -> None:
         self._out.append((kind, len(self.stack), payload))
 
-    def _char(self, ch: str) -> None:          # noqa: C901 - one state machine
+    def _char(self, ch: str) -> None:
+        """One character, by what is being read: a string, a number, a literal, or the
+        structure between tokens (where whitespace is skipped)."""
         state = self.state
+        if state in _STRING_STATES:
+            self._string_char(ch, state)
+        elif state == "number":
+            self._number_char(ch)
+        elif state == "literal":
+            self._buf += ch
+            if self._buf in _LITERALS:
+                self._emit(SCALAR, self._buf)
+                self.state = "after"
+            elif not any(lit.startswith(self._buf) for lit in _LITERALS):
+                raise JsonError("invalid literal")
+        elif ch in WS and state != "start":
+            return
+        else:
+            self._structure_char(ch, state)
+
+    def _string_char(self, ch: str, state: str) -> None:
         if state == "string":
             if ch == '"':
                 self._end_string()
@@ -110,7 +131,7 @@ class JsonLexer:
                 self._string_text(chr(self._high))
                 self.state = "string"
                 self._char(ch)
-        elif state == "pair_u":
+        else:                                    # pair_u
             if ch == "u":
                 self._hexbuf = ""
                 self.state = "pair_digits"
@@ -118,32 +139,26 @@ class JsonLexer:
                 self._string_text(chr(self._high))
                 self.state = "escape"
                 self._char(ch)
-        elif state == "number":
-            if ch in _NUMBER_CHARS:
-                self._buf += ch
-            elif ch == "I" and self._buf == "-":
-                self._buf += ch
-                self.state = "literal"
-            else:
-                if not _NUMBER_RE.fullmatch(self._buf):
-                    raise JsonError("invalid number")
-                try:
-                    canon = dumps(json.loads(self._buf))
-                except ValueError as exc:          # e.g. an integer too long to convert
-                    raise JsonError(str(exc)) from None
-                self._emit(SCALAR, canon)
-                self.state = "after"
-                self._char(ch)
-        elif state == "literal":
+
+    def _number_char(self, ch: str) -> None:
+        if ch in _NUMBER_CHARS:
             self._buf += ch
-            if self._buf in _LITERALS:
-                self._emit(SCALAR, self._buf)
-                self.state = "after"
-            elif not any(lit.startswith(self._buf) for lit in _LITERALS):
-                raise JsonError("invalid literal")
-        elif ch in WS and state != "start":
-            return
-        elif state == "start":
+        elif ch == "I" and self._buf == "-":
+            self._buf += ch
+            self.state = "literal"
+        else:
+            if not _NUMBER_RE.fullmatch(self._buf):
+                raise JsonError("invalid number")
+            try:
+                canon = dumps(json.loads(self._buf))
+            except ValueError as exc:          # e.g. an integer too long to convert
+                raise JsonError(str(exc)) from None
+            self._emit(SCALAR, canon)
+            self.state = "after"
+            self._char(ch)
+
+    def _structure_char(self, ch: str, state: str) -> None:
+        if state == "start":
             if ch != self.top:
                 raise JsonError(f"expected {self.top!r}")
             self._open(ch)
