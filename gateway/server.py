@@ -78,11 +78,7 @@ async def serve(args: argparse.Namespace) -> None:
                     getattr(args, "redis_ca_cert", None))
     router = Router(args.redis_url, routing=args.routing, metrics=metrics,
                     expected_shape=kv_shape(model_dir))
-    pipeline = Pipeline(router, preparer.tokenizer, PipelineConfig(
-        local_prefill_max_tokens=args.local_prefill_max_tokens,
-        local_prefill_queue=args.local_prefill_queue,
-        max_migrations=getattr(args, "max_migrations", 2),
-        stream_stall_timeout_s=getattr(args, "stream_stall_timeout", 120.0)), metrics)
+    pipeline = Pipeline(router, preparer.tokenizer, _pipeline_config(args), metrics)
 
     keys = ApiKeys.from_sources(getattr(args, "api_key", None),
                                 getattr(args, "api_key_file", None))
@@ -130,6 +126,13 @@ async def serve(args: argparse.Namespace) -> None:
         await router.stop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+def _pipeline_config(args) -> PipelineConfig:
+    return PipelineConfig(local_prefill_max_tokens=args.local_prefill_max_tokens,
+                          local_prefill_queue=args.local_prefill_queue,
+                          max_migrations=getattr(args, "max_migrations", 2),
+                          stream_stall_timeout_s=getattr(args, "stream_stall_timeout", 120.0))
 
 
 def _tls(args) -> tuple[str, str, str | None] | None:
