@@ -434,8 +434,6 @@ class ChatCompletionRequest(_CommonRequest):
         self._check_common()
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
-        if not self.messages:
-            raise bad_request("messages must not be empty", "messages")
         tools = tuple(plan.template_tools) if plan is not None and plan.template_tools else None
         prompt = Prompt(messages=tuple(m.as_template_dict(i)
                                        for i, m in enumerate(self.messages)),
