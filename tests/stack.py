@@ -15,7 +15,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
+
 from cluster import health
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
 from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,6 +37,7 @@ class Proc:
     popen: subprocess.Popen
     log: Path
     address: str
+    role: str = ""                  # a worker's: prefill or decode
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -87,6 +92,7 @@ class Stack:
                                "--redis-url", self.redis_url,
                                "--threads", "1", "--kv-cache-gib", "0.25", *extra],
                         f"127.0.0.1:{port}")
+        p.role = role
         p.metrics = f"http://127.0.0.1:{metrics_port}/metrics"
         return p
 
@@ -121,8 +127,31 @@ class Stack:
             except subprocess.TimeoutExpired:
                 p.kill()
 
+    def proc(self, name: str) -> Proc:
+        return next(p for p in self.procs if p.name == name)
+
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.log.read_text()[-2000:]}" for p in self.procs)
+
+
+def worker_stats(p: Proc) -> pb.WorkerStats:
+    """A worker's Stats RPC: requests running and waiting, KV blocks free of total."""
+    with grpc.insecure_channel(p.address) as ch:
+        stub = (pb_grpc.DecodeWorkerStub if p.role == "decode" else pb_grpc.PrefillWorkerStub)(ch)
+        return stub.Stats(pb.StatsRequest(), timeout=10)
+
+
+def idle(*workers: Proc) -> bool:
+    """Every one of them has no request running or waiting and every KV block free."""
+    return all(s.running == 0 and s.waiting == 0 and s.free_blocks == s.total_blocks
+               for s in map(worker_stats, workers))
+
+
+def wait_idle(*workers: Proc, timeout_s: float = 30) -> None:
+    """Until idle(*workers) (aborts and frees are asynchronous); a timeout shows their stats."""
+    wait_until(lambda: idle(*workers), timeout_s,
+               lambda: "idle workers: " + "; ".join(f"{p.name}: {worker_stats(p)}".replace(
+                   "\n", " ") for p in workers))
 
 
 @contextlib.contextmanager

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import signal
 import threading
-import time
 
 import grpc
 import httpx
@@ -17,7 +16,7 @@ import redis
 from cluster.registry import KEY_PREFIX
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from tests.stack import standard_stack
+from tests.stack import standard_stack, wait_idle, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -27,72 +26,54 @@ LONG = {"prompt": "Once upon a time", "max_tokens": 2000, "temperature": 0, "ign
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory):
     with standard_stack(model_dir, tmp_path_factory.mktemp("stack")) as s:
-        _wait_workers_known(s)
         yield s
 
 
-def _proc(stack, name):
-    return next(p for p in stack.procs if p.name == name)
-
-
-def _wait_workers_known(stack, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        workers = httpx.get(_proc(stack, "gateway").http + "/health").json()["workers"]
-        if workers["prefill"] and workers["decode"]:
-            return
-        time.sleep(0.2)
-    raise TimeoutError("the gateway never saw both workers")
+def _registered(stack) -> set[str]:
+    client = redis.Redis.from_url(stack.redis_url)
+    try:
+        return {(client.hget(k, "address") or b"").decode()
+                for k in client.scan_iter(KEY_PREFIX + "*")} - {""}
+    finally:
+        client.close()
 
 
 def _wait_registered(stack, addresses: set[str], timeout_s: float = 120) -> None:
     """Until the registry holds exactly these workers (dead ones expire after their TTL) and
-    the gateway has polled it since."""
-    client = redis.Redis.from_url(stack.redis_url)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while {(client.hget(k, "address") or b"").decode()
-               for k in client.scan_iter(KEY_PREFIX + "*")} - {""} != addresses:
-            assert time.monotonic() < deadline, "workers did not (un)register in time"
-            time.sleep(0.2)
-    finally:
-        client.close()
-    time.sleep(1.0)
+    the gateway has applied a poll since: it logged each one joining and knows as many
+    workers as there are."""
+    gateway = stack.proc("gateway")
+    wait_until(lambda: _registered(stack) == addresses, timeout_s,
+               lambda: f"the registry to hold {addresses}, not {_registered(stack)}")
 
-
-def _busy(stack, role: str) -> tuple[int, int, int]:
-    with grpc.insecure_channel(_proc(stack, role).address) as ch:
-        stub = (pb_grpc.DecodeWorkerStub if role == "decode" else pb_grpc.PrefillWorkerStub)(ch)
-        s = stub.Stats(pb.StatsRequest(), timeout=10)
-    return s.running, s.waiting, s.total_blocks - s.free_blocks
-
-
-def _wait_idle(stack, *roles: str, timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
-    while any(_busy(stack, r) != (0, 0, 0) for r in roles):
-        assert time.monotonic() < deadline, {r: _busy(stack, r) for r in roles}
-        time.sleep(0.2)
+    def applied() -> bool:
+        log = gateway.log.read_text()
+        counts = httpx.get(gateway.http + "/health", timeout=5).json()["workers"]
+        return (all(f" at {a})" in log for a in addresses)
+                and counts["prefill"] + counts["decode"] == len(addresses))
+    wait_until(applied, 30, "the gateway to know exactly the registered workers",
+               [(gateway.popen, gateway.log)])
 
 
 def test_non_streaming_client_gone_aborts_on_workers(stack):
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(_proc(stack, "gateway").http + "/v1/completions", json=LONG, timeout=3)
-    _wait_idle(stack, "prefill", "decode")
+        httpx.post(stack.proc("gateway").http + "/v1/completions", json=LONG, timeout=3)
+    wait_idle(stack.proc("prefill"), stack.proc("decode"))
 
 
 def test_grpc_cancel_aborts_on_workers(stack):
-    with grpc.insecure_channel(_proc(stack, "gateway").address) as ch:
+    with grpc.insecure_channel(stack.proc("gateway").address) as ch:
         stream = pb_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
             text=LONG["prompt"], params=pb.SamplingParams(max_tokens=2000, ignore_eos=True)))
         for i, _ in enumerate(stream):
             if i == 3:
                 stream.cancel()
                 break
-    _wait_idle(stack, "prefill", "decode")
+    wait_idle(stack.proc("prefill"), stack.proc("decode"))
 
 
 def test_stop_string_streaming_matches_non_streaming(stack):
-    url = _proc(stack, "gateway").http + "/v1/completions"
+    url = stack.proc("gateway").http + "/v1/completions"
     req = {"prompt": "Count: 1, 2, 3,", "max_tokens": 100, "temperature": 0, "stop": [" 7"]}
     full = httpx.post(url, json=req, timeout=60).json()["choices"][0]
     with httpx.stream("POST", url, json=dict(req, stream=True), timeout=60) as r:
@@ -102,7 +83,7 @@ def test_stop_string_streaming_matches_non_streaming(stack):
     assert "".join(c["text"] for c in chunks) == full["text"]
     assert " 7" not in full["text"] and full["finish_reason"] == "stop"
     assert chunks[-1]["finish_reason"] == "stop"
-    _wait_idle(stack, "prefill", "decode")
+    wait_idle(stack.proc("prefill"), stack.proc("decode"))
 
 
 def _stream_in_thread(url: str, body: dict) -> tuple[threading.Thread, list]:
@@ -121,24 +102,22 @@ def _stream_in_thread(url: str, body: dict) -> tuple[threading.Thread, list]:
 
 
 def test_prefill_death_is_a_clean_error_and_frees_decode(stack):
-    url = _proc(stack, "gateway").http + "/v1/completions"
-    _proc(stack, "prefill").kill()
+    url = stack.proc("gateway").http + "/v1/completions"
+    stack.proc("prefill").kill()
     resp = httpx.post(url, json={"prompt": "hi", "max_tokens": 4}, timeout=60)
     assert resp.status_code == 503, resp.text
     assert "prefill worker" in resp.json()["error"]["message"]
-    _wait_idle(stack, "decode")
+    wait_idle(stack.proc("decode"))
 
 
 def test_decode_death_mid_stream_ends_the_stream_with_an_error(stack):
-    gateway = _proc(stack, "gateway")
+    gateway = stack.proc("gateway")
     new = stack.start_worker("prefill", name="prefill2")
-    _wait_registered(stack, {new.address, _proc(stack, "decode").address})
+    _wait_registered(stack, {new.address, stack.proc("decode").address})
     thread, events = _stream_in_thread(gateway.http + "/v1/completions", dict(LONG, stream=True))
-    deadline = time.monotonic() + 60
-    while len(events) < 3 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert len(events) >= 3, events
-    _proc(stack, "decode").kill()
+    wait_until(lambda: len(events) >= 3, 60, lambda: f"three events of the stream: {events}",
+               interval_s=0.05)
+    stack.proc("decode").kill()
     thread.join(30)
     assert not thread.is_alive(), "the stream hung after the decode worker died"
     assert events[-1] == "data: [DONE]"
@@ -149,6 +128,6 @@ def test_decode_death_mid_stream_ends_the_stream_with_an_error(stack):
 
 
 def test_sigterm_stops_the_gateway_cleanly(stack):
-    gateway = _proc(stack, "gateway")
+    gateway = stack.proc("gateway")
     gateway.popen.send_signal(signal.SIGTERM)
     assert gateway.popen.wait(20) == 0

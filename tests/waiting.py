@@ -10,8 +10,9 @@ from pathlib import Path
 
 
 def wait_until(pred, timeout_s: float, what: str, procs=(), interval_s: float = 0.2) -> None:
-    """Return once pred() is true; TimeoutError naming `what` when it is still false after
-    timeout_s. `procs`: (Popen, log path) pairs; one that exits ends the wait with its log."""
+    """Return once pred() is true; TimeoutError naming `what` (a string, or a function giving
+    one: the state at the deadline) when it is still false after timeout_s. `procs`: (Popen, log
+    path) pairs; one that exits ends the wait with its log."""
     deadline = time.monotonic() + timeout_s
     while True:
         for p, log in procs:
@@ -21,7 +22,7 @@ def wait_until(pred, timeout_s: float, what: str, procs=(), interval_s: float = 
         if pred():
             return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout_s}s for {what}")
+            raise TimeoutError(f"waited {timeout_s}s for {_name(what)}")
         time.sleep(interval_s)
 
 
@@ -30,5 +31,9 @@ async def wait_until_async(pred, timeout_s: float, what: str, interval_s: float 
     deadline = time.monotonic() + timeout_s
     while not pred():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout_s}s for {what}")
+            raise TimeoutError(f"waited {timeout_s}s for {_name(what)}")
         await asyncio.sleep(interval_s)
+
+
+def _name(what) -> str:
+    return what() if callable(what) else what
