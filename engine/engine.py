@@ -12,21 +12,17 @@ from pathlib import Path
 
 import torch
 
-from engine.attention.base import BatchLayout
+from engine.batch_builder import BatchBuilder
 from engine.block_hash import BlockHasher
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, ModelConfig, parse_speculative
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import Load
 from engine.kv_layout import KVLayout
-from engine.model_runner import ModelRunner, StepInputs, StepResult
-from engine.parallel import check_split
 from engine.request import MAX_CHOICES, Request, RequestOutput, Status, TokenLogprob
-from engine.sampler import RowSampling
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.spec import DraftProposer, NgramProposer, Proposal, SpecController, verify
-from engine.spec.verify import accept_greedy
-from engine.tp_ranks import Ranks, start_runner
+from engine.spec import DraftProposer, NgramProposer, Proposal, SpecController
+from engine.tp_ranks import build_runner
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +69,9 @@ class Engine:
             raise ValueError("a draft model's KV pool is not budgeted when the pool is sized "
                              "from GPU memory: give --kv-cache-gib or --num-blocks with "
                              "--speculative draft:PATH")
-        self.ranks: Ranks | None = None           # tensor parallel: ranks 1..N-1
-        self.runner = self._runner(model_dir, cfg, model, random_weights)
+        # tensor parallel: rank 0's runner, and ranks 1..N-1 (engine.tp_ranks)
+        self.runner, self.ranks = build_runner(model_dir, self.model_cfg, cfg, model,
+                                               random_weights)
         try:
             self._setup(replace(cfg, num_blocks=self.runner.num_blocks), draft_model)
         except BaseException:
@@ -94,18 +91,7 @@ class Engine:
         self.last_step: StepStats | None = None
         self.proposer, self.spec = self._speculation(draft_model)
         self._proposals: dict[str, Proposal] = {}    # this step's, by request id
-
-    def _runner(self, model_dir, cfg: EngineConfig, model, random_weights: bool) -> ModelRunner:
-        """This engine's runner; with tensor_parallel_size N, rank 0's, once ranks 1..N-1 are
-        started (engine.tp_ranks: `self.ranks`)."""
-        if cfg.tensor_parallel_size == 1:
-            return ModelRunner(model_dir, self.model_cfg, cfg, model, random_weights)
-        if model is not None:
-            check_split(self.model_cfg, cfg.tensor_parallel_size)
-            raise ValueError("a model object cannot be split over tensor-parallel ranks: give "
-                             "its folder")
-        runner, self.ranks = start_runner(model_dir, self.model_cfg, cfg, random_weights)
-        return runner
+        self.batch = BatchBuilder(self.kv_manager.block_table, m.vocab_size)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do with one); idempotent."""
@@ -263,11 +249,10 @@ class Engine:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
+        """Schedule, run the step on the runner (inputs built, forward pass, sampling, the
+        tokens of verified proposals), apply the results."""
         t0 = time.perf_counter()
-        pairs = self.kv_manager.take_copies()        # blocks of forked choices (n > 1)
-        if pairs:
-            self.runner.copy_blocks(pairs)
-            self.kv_manager.copies_done(pairs)
+        self._copy_forks()
         if self.proposer is not None:
             self._propose()
         sched = self.scheduler.schedule()
@@ -277,23 +262,36 @@ class Engine:
             return []
         prompt = sum(min(s.num_new_tokens, max(s.request.num_prompt_tokens
                                                - s.request.num_computed_tokens, 0))
-                     for s in sched.scheduled)
-        inputs = self._prepare(sched)
+                     for s in sched.scheduled)          # before update() advances them
         t_fwd = time.perf_counter()
-        tokens, logprobs = self._tokens(sched, self.runner.execute(inputs))
-        t_done = time.perf_counter()
-        self.stats.steps += 1
-        self.stats.tokens += sched.num_tokens
-        spec = [(s, len(t) - 1) for s, t in zip((s for s in sched.scheduled if s.sample), tokens)
-                if s.num_spec]
+        result = self.runner.execute(self.batch.inputs(sched, self._proposals))
+        tokens, logprobs = self.batch.tokens(sched, result, self._proposals)
+        forward_s = time.perf_counter() - t_fwd
         outputs = self.scheduler.update(sched, tokens, logprobs)
+        self._after_step(sched, tokens, outputs, prompt, t0, forward_s)
+        return outputs
+
+    def _copy_forks(self) -> None:
+        """The block copies of forked choices (n > 1), before the step that reads them."""
+        pairs = self.kv_manager.take_copies()
+        if pairs:
+            self.runner.copy_blocks(pairs)
+            self.kv_manager.copies_done(pairs)
+
+    def _after_step(self, sched: SchedulerOutput, tokens: list[list[int]],
+                    outputs: list[RequestOutput], prompt: int, t0: float,
+                    forward_s: float) -> None:
+        """A step's outputs and statistics: KV-ready events (prefill), what speculation
+        learns, the step's StepStats (`prompt`: its prompt tokens)."""
         if self.cfg.role == "prefill" and any(o.kv_blocks for o in outputs):
             ready = self.runner.record_event()
             for o in outputs:
                 if o.kv_blocks:
                     o.kv_ready = ready
+        sampled = (s for s in sched.scheduled if s.sample)
+        spec = [(s, len(t) - 1) for s, t in zip(sampled, tokens) if s.num_spec]
         if self.proposer is not None:
-            self.spec.observe_step(sched.num_tokens, len(spec), t_done - t_fwd)
+            self.spec.observe_step(sched.num_tokens, len(spec), forward_s)
             for s, accepted in spec:
                 rid = s.request.request_id
                 self.spec.record(rid, s.num_spec, accepted, self._proposals[rid].kind)
@@ -303,13 +301,16 @@ class Engine:
                     self._forget(o.request_id)
         proposed = sum(s.num_spec for s, _ in spec)
         accepted = sum(a for _, a in spec)
-        self.stats.spec_proposed += proposed
-        self.stats.spec_accepted += accepted
-        self.stats.spec_seq_steps += len(spec)
-        self.last_step = StepStats(len(sched.scheduled), sched.num_tokens, prompt,
-                                   sum(len(t) for t in tokens), len(sched.preempted),
-                                   time.perf_counter() - t0, proposed, accepted, len(spec))
-        return outputs
+        st = self.stats
+        st.steps += 1
+        st.tokens += sched.num_tokens
+        st.spec_proposed += proposed
+        st.spec_accepted += accepted
+        st.spec_seq_steps += len(spec)
+        self.last_step = StepStats(len(sched.scheduled), sched.num_tokens,
+                                   prompt, sum(len(t) for t in tokens),
+                                   len(sched.preempted), time.perf_counter() - t0, proposed,
+                                   accepted, len(spec))
 
     def _propose(self) -> None:
         """Proposals for the running sequences that decode this step (req.spec_token_ids)."""
@@ -339,91 +340,3 @@ class Engine:
                 p = p.truncated(r.structured_state.valid_prefix(list(p.tokens)))
             r.spec_token_ids = list(p.tokens)
             self._proposals[r.request_id] = p
-
-    def _tokens(self, sched: SchedulerOutput, result: StepResult):
-        """Tokens per sampled request from the step's batched sampling: its row's token, or,
-        verifying proposals, the accepted ones and the target's (greedy: from the rows'
-        argmaxes; sampled: rejection sampling over the rows' logits)."""
-        tokens: list[list[int]] = []
-        logprobs: list[list] = []
-        row = 0
-        for s in sched.scheduled:
-            if not s.sample:
-                continue
-            req, n = s.request, 1 + s.num_spec
-            if not s.num_spec:
-                tokens.append([result.tokens[row]])
-                logprobs.append([result.logprobs[row]])
-            elif req.params.greedy or self._proposals[req.request_id].probs is None:
-                toks = accept_greedy(req.spec_token_ids, result.tokens[row:row + n])
-                tokens.append(toks)
-                logprobs.append(result.logprobs[row:row + len(toks)])
-            else:
-                probs = self._proposals[req.request_id].probs
-                toks, lps = verify(result.logits[row:row + n], req.params,
-                                   len(req.output_token_ids), req.spec_token_ids,
-                                   None if probs is None else probs[:s.num_spec],
-                                   processed=result.processed[row:row + n])
-                tokens.append(toks)
-                logprobs.append(lps)
-            row += n
-        return tokens, logprobs
-
-    def _rows(self, req: Request, num_spec: int) -> list[RowSampling]:
-        """The sampled rows of a request: its next token, and with proposals one per proposal
-        (row j follows the first j proposals: its history holds them)."""
-        p, index = req.params, len(req.output_token_ids)
-        # rows are drawn here unless a draft model's proposals are verified by rejection
-        # sampling (point-mass proposals compare with the rows' own draws: engine.spec.verify)
-        prop = self._proposals.get(req.request_id) if num_spec else None
-        plain = prop is None or prop.probs is None
-        if not (p.penalized or p.min_tokens):
-            return [RowSampling(p, index + j, plain) for j in range(1 + num_spec)]
-        out, spec = req.output_token_ids, req.spec_token_ids
-        prompt = req.prompt_token_ids if p.repetition_penalty != 1.0 else ()
-        return [RowSampling(p, index + j, plain, out + spec[:j] if j else out, prompt)
-                for j in range(1 + num_spec)]
-
-    def _prepare(self, sched: SchedulerOutput) -> StepInputs:
-        """Flatten the scheduled requests into the step's inputs: token ids [T], each
-        sequence's layout, and the rows [S] whose logits are sampled (the last position, and
-        each proposal's) with how each is sampled."""
-        ids, tables, starts, q_lens, sample_rows, rows = [], [], [], [], [], []
-        grammar_rows: list[tuple[Request, int, int]] = []    # (request, first row, proposals)
-        for s in sched.scheduled:
-            req = s.request
-            start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
-            ids.extend(req.token_ids_between(start, end, with_spec=bool(s.num_spec)))
-            tables.append(self.kv_manager.block_table(req.request_id))
-            starts.append(start)
-            q_lens.append(s.num_new_tokens)
-            if s.sample:
-                first = len(ids) - 1 - s.num_spec
-                sample_rows.extend(range(first, len(ids)))
-                if req.structured_state is not None:
-                    grammar_rows.append((req, len(rows), s.num_spec))
-                rows.extend(self._rows(req, s.num_spec))
-        bitmask = None
-        if grammar_rows:
-            bitmask = self._grammar_masks(grammar_rows, len(rows))
-            for req, first, k in grammar_rows:
-                if not req.params.min_tokens:
-                    continue
-                for j in range(first, first + 1 + k):      # min_tokens yields to the end
-                    if req.structured_state.allows_only_end(bitmask, j):
-                        rows[j] = replace(rows[j], grammar_ends=True)
-        return StepInputs(ids, BatchLayout(tables, starts, q_lens), sample_rows, rows, bitmask)
-
-    def _grammar_masks(self, grammar_rows, num_rows: int) -> torch.Tensor:
-        """The step's token bitmask [rows, words]: every token allowed, but in the rows of
-        requests with a grammar, what it allows there (a verification row: after the
-        proposals before it)."""
-        from engine.structured import new_bitmask
-
-        bitmask = new_bitmask(num_rows, self.model_cfg.vocab_size)
-        for req, first, k in grammar_rows:
-            if k:
-                req.structured_state.fill_draft_masks(req.spec_token_ids[:k], bitmask, first)
-            else:
-                req.structured_state.fill_mask(bitmask, first)
-        return bitmask

@@ -8,8 +8,9 @@ the CUDA graphs of decode-only steps (engine.cuda_graphs) and the sampler. One s
     stage on the host -> one H2D copy -> forward (graph replay, or eager) -> logits of the
     sampled rows -> batched sampling -> one transfer back (tokens and logprobs)
 
-The Engine keeps orchestration (scheduler, speculation, outputs) and hands the runner a
-`StepInputs`. On CUDA without a given pool size the KV pool takes what `gpu_memory_utilization`
+The Engine keeps orchestration (scheduler, speculation, outputs); engine.batch_builder turns
+the scheduler's output into the `StepInputs` the runner executes, and its `StepResult` into
+tokens per request. On CUDA without a given pool size the KV pool takes what `gpu_memory_utilization`
 leaves after the weights, a profiled forward pass at the step's token budget and the graphs.
 
 Tensor parallel (engine.parallel; the rank processes: engine.tp_ranks): every rank builds a

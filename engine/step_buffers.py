@@ -68,3 +68,26 @@ class StepBuffers:
         self._copied.record(torch.cuda.current_stream(self.device))
         self._pending = True
 
+
+
+class GrammarMasks:
+    """The step's grammar bitmasks, int32 [rows, words] on the host (engine.structured's
+    layout), in one buffer kept across steps and grown only when a step samples more rows than
+    any before. Not page-locked: the sampler's copy to the device reads pageable memory before
+    it returns, so the next step may write the buffer again."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._buf: torch.Tensor | None = None
+
+    def take(self, rows: int) -> torch.Tensor:
+        """The first `rows` rows, every token allowed in each."""
+        if self._buf is None or self._buf.shape[0] < rows:
+            from engine.structured.bitmask import new_bitmask   # only once grammars are used
+
+            have = 0 if self._buf is None else self._buf.shape[0]
+            self._buf = new_bitmask(max(rows, 2 * have), self.vocab_size)
+            return self._buf[:rows]
+        view = self._buf[:rows]
+        view.fill_(-1)
+        return view

@@ -88,6 +88,20 @@ class Ranks:
             runner.leave_group()
 
 
+def build_runner(model_dir, model_cfg: ModelConfig, cfg: EngineConfig,
+                 model: torch.nn.Module | None = None, random_weights: bool = False
+                 ) -> tuple[ModelRunner, Ranks | None]:
+    """An engine's runner: with tensor_parallel_size 1 the process's own (over `model` when
+    given), else rank 0's, with ranks 1..N-1 started (start_runner)."""
+    if cfg.tensor_parallel_size == 1:
+        return ModelRunner(model_dir, model_cfg, cfg, model, random_weights), None
+    check_split(model_cfg, cfg.tensor_parallel_size)
+    if model is not None:
+        raise ValueError("a model object cannot be split over tensor-parallel ranks: give "
+                         "its folder")
+    return start_runner(model_dir, model_cfg, cfg, random_weights)
+
+
 def start_runner(model_dir, model_cfg: ModelConfig, cfg: EngineConfig,
                  random_weights: bool = False) -> tuple[ModelRunner, Ranks]:
     """Rank 0's runner of a tensor-parallel engine, once ranks 1..N-1 are started and joined."""

@@ -187,7 +187,7 @@ def engine_logits(eng, ids: list[int]):
     got = []
     while eng.has_work():
         sched = eng.scheduler.schedule()
-        inputs = eng._prepare(sched)
+        inputs = eng.batch.inputs(sched, {})
         every = dataclasses.replace(inputs, sample_rows=list(range(len(inputs.token_ids))),
                                     sampling=[])
         got.append(eng.runner.execute(every).logits)
