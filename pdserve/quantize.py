@@ -17,10 +17,10 @@ import logging
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from engine.layers.quant_formats import AWQ_FIELD
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,8 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 def pack_int32(values: torch.Tensor, bits: int, dim: int, fields=None) -> torch.Tensor:
     """Unsigned `bits`-bit values of a 2-D tensor packed 32 / bits per int32 along `dim`, value
     j of a word in field fields[j] (default j), field i at bits [bits * i, bits * (i + 1))."""
+    import torch
+
     per = 32 // bits
     v = values.to(torch.int64) if dim == 1 else values.t().to(torch.int64)
     r, c = v.shape
@@ -42,9 +44,15 @@ def pack_int32(values: torch.Tensor, bits: int, dim: int, fields=None) -> torch.
     return words if dim == 1 else words.t().contiguous()
 
 
-def round_to_nearest(w: torch.Tensor, bits: int, group: int, sym: bool, scale_dtype=torch.float16):
+def round_to_nearest(w: torch.Tensor, bits: int, group: int, sym: bool,
+                     scale_dtype: torch.dtype | None = None):
     """w [N, K] -> unsigned values u [N, K], unsigned zeros z [N, K / group] and scales s
-    [N, K / group] (rounded to `scale_dtype`, as stored) with w ~= (u - z) * s."""
+    [N, K / group] (rounded to `scale_dtype`, as stored: float16 unless given) with
+    w ~= (u - z) * s."""
+    import torch
+
+    scale_dtype = torch.float16 if scale_dtype is None else scale_dtype
+
     n, k = w.shape
     if k % group:
         raise ValueError(f"{k} input features are not whole groups of {group}")
@@ -70,6 +78,10 @@ def quantize_tensor(name: str, w: torch.Tensor, fmt: str, group: int
                     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """One projection `name` (its weight w [N, K]) in format `fmt` -> (its tensors by
     checkpoint name, the dequantized weight)."""
+    import torch
+
+    from engine.layers.quant_formats import AWQ_FIELD
+
     if fmt in ("gptq", "gptq-v2"):
         u, z, s = round_to_nearest(w, 4, group, sym=False)
         stored = pack_int32(z.t(), 4, 1).to(torch.int64)
@@ -177,6 +189,27 @@ def quantize_checkpoint(src: str | Path, dest: str | Path, fmt: str, group: int 
         (Path(dequantized) / "config.json").write_text(
             json.dumps(dict(config, torch_dtype="float32"), indent=2))
     return errors
+
+
+def register(sub) -> None:
+    """`pdserve model quantize`."""
+    quant = sub.add_parser(
+        "quantize", help="write a checkpoint as a pre-quantized one (round-to-nearest)",
+        description="Quantize every q/k/v/o/gate/up/down projection of a full-precision HF "
+                    "folder by round-to-nearest and write it in a published layout the workers "
+                    "serve: gptq (v1 zeros), gptq-v2, awq (GEMM), w4a16 / w4a16-asym "
+                    "(compressed-tensors pack-quantized) or w8a8 (compressed-tensors "
+                    "int-quantized, activations per token at run time). The layouts of those "
+                    "tools, not their calibrated accuracy.")
+    quant.add_argument("src", help="full-precision HF folder (config.json + *.safetensors)")
+    quant.add_argument("dest", help="folder to write")
+    quant.add_argument("--format", required=True, choices=FORMATS)
+    quant.add_argument("--group-size", type=int, default=128,
+                       help="input features per scale for the 4-bit formats (must divide every "
+                            "projection's input size)")
+    quant.add_argument("--dequantized", default=None, metavar="DIR",
+                       help="also write the dequantized weights here as a plain fp32 folder")
+    quant.set_defaults(target="pdserve.quantize:main")
 
 
 def main(args) -> int:

@@ -193,7 +193,7 @@ def test_group_that_a_rank_cannot_hold_is_refused(tmp_path):
 
 def test_cli_quantization_choices_are_the_engines():
     from engine.config import QUANTIZATION_CHOICES
-    from pdserve.cli import QUANTIZATION_CHOICES as CLI_CHOICES
+    from pdserve.flags import QUANTIZATION_CHOICES as CLI_CHOICES
     assert list(QUANTIZATION_CHOICES) == CLI_CHOICES
 
 

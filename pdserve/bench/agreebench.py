@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from cluster.paths import default_model_dir, resolve_model
+from pdserve.flags import QUANTIZATION_CHOICES, DefaultsFormatter
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from pdserve.gpucheck import engine_generate, engine_logits
-from cluster.paths import resolve_model
+if TYPE_CHECKING:
+    import torch
+
+    from engine.engine import Engine
 
 PROMPTS = [
     "What is the capital of Australia, and why was it chosen?",
@@ -44,6 +46,11 @@ def _prompt_ids(model_dir: Path) -> list[list[int]]:
 
 
 def _engine(model_dir: Path, quantization: str, threads: int) -> Engine:
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
     torch.set_num_threads(threads)
     return Engine(model_dir, EngineConfig(num_blocks=256, block_size=16, quantization=quantization,
                                           max_num_seqs=len(PROMPTS)))
@@ -51,6 +58,10 @@ def _engine(model_dir: Path, quantization: str, threads: int) -> Engine:
 
 def _hidden_states(eng: Engine, ids: list[int]) -> list[torch.Tensor]:
     """Each decoder layer's residual stream (output + the stream before it) over `ids`."""
+    import torch
+
+    from pdserve.gpucheck import engine_logits
+
     states: list[torch.Tensor] = []
     hooks = [layer.register_forward_hook(
         lambda m, a, out: states.append((out[0] + out[1]).detach().float().clone()))
@@ -66,6 +77,8 @@ def _hidden_states(eng: Engine, ids: list[int]) -> list[torch.Tensor]:
 
 
 def run(args) -> dict:
+    from pdserve.gpucheck import engine_generate
+
     model_dir = resolve_model(args.model)
     prompts = _prompt_ids(model_dir)
     ref = _engine(model_dir, "none", args.threads)
@@ -91,6 +104,26 @@ def run(args) -> dict:
             "prompts": len(prompts), "tokens": args.tokens,
             "identical_share": same / (len(prompts) * args.tokens),
             "first_divergence": first, "layer_relative_error": layer_error}
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "agreebench", help="greedy agreement of a quantized model with fp32",
+        formatter_class=DefaultsFormatter,
+        description="Decode ten mixed chat prompts greedily with the model in fp32 and with a "
+                    "quantized candidate (the same folder with --quantization, or --candidate: "
+                    "a pre-quantized checkpoint of it); print the share of identical tokens, "
+                    "where each prompt first diverges and each layer's relative error.")
+    p.add_argument("--model", default=None,
+                   help=f"full-precision model folder (default: {default_model_dir()})")
+    p.add_argument("--candidate", default=None,
+                   help="a pre-quantized checkpoint of --model (default: --model itself)")
+    p.add_argument("--quantization", default="int8", choices=QUANTIZATION_CHOICES,
+                   help="the candidate's --quantization (none: a pre-quantized candidate's own)")
+    p.add_argument("--tokens", type=int, default=48, help="greedy tokens per prompt")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--out", default=None, help="also write the figures as JSON here")
+    p.set_defaults(target="pdserve.bench.agreebench:main")
 
 
 def main(args) -> int:

@@ -16,11 +16,14 @@ import json
 import logging
 import random
 import time
+from typing import TYPE_CHECKING
 
-import httpx
-
-from pdserve.bench.workloads import PromptMaker
 from cluster.paths import default_model_dir
+from pdserve.bench.workloads import PromptMaker
+from pdserve.flags import DefaultsFormatter
+
+if TYPE_CHECKING:
+    import httpx
 
 
 def _metric(text: str, name: str) -> float:
@@ -45,6 +48,8 @@ async def _complete(client, url, model, ids, n, seed, output_len) -> int:
 
 
 async def run(args) -> dict:
+    import httpx
+
     base = args.base_url.rstrip("/").removesuffix("/v1")
     maker = PromptMaker(args.tokenizer or default_model_dir(), args.seed)
     maker.rng = random.Random(args.seed)
@@ -92,6 +97,29 @@ async def run(args) -> dict:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)
     return out
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "choicebench", help="one request of n choices against n separate requests",
+        formatter_class=DefaultsFormatter,
+        description="For fresh random prompts: one completion with n choices, then n "
+                    "concurrent completions of the same prompt; output tokens/s of each and, "
+                    "with --prefill-metrics, the prompt tokens and KV transfers of each on the "
+                    "prefill worker.")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the gateway")
+    p.add_argument("--model", default=None, help="served model name (default: /v1/models)")
+    p.add_argument("--tokenizer", default=None,
+                   help=f"model folder for the prompts' tokens (default: {default_model_dir()})")
+    p.add_argument("--n", type=int, default=4, help="choices")
+    p.add_argument("--rounds", type=int, default=4, help="prompts, each measured both ways")
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens")
+    p.add_argument("--output-len", type=int, default=64, help="tokens per choice")
+    p.add_argument("--prefill-metrics", default=None, metavar="URL",
+                   help="a prefill worker's /metrics, e.g. http://127.0.0.1:50161/metrics")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    p.add_argument("--out", default=None, help="JSON file for the figures")
+    p.set_defaults(target="pdserve.bench.choicebench:main")
 
 
 def main(args) -> int:

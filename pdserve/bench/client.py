@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-
-import httpx
+from typing import TYPE_CHECKING
 
 from pdserve.bench.stats import RequestResult
 from pdserve.bench.workloads import Prompt
+
+if TYPE_CHECKING:
+    import httpx
 
 
 def request_body(prompt: Prompt, model: str, prompt_format: str, temperature: float,
@@ -73,6 +75,8 @@ async def send(client: httpx.AsyncClient, url: str, body: dict, prompt: Prompt, 
                timeout_s: float) -> RequestResult:
     """Sends one request and measures it; never raises for server or network errors (they are
     recorded in the result). t0 is the run's start on the time.perf_counter clock."""
+    import httpx
+
     res = RequestResult(prompt.kind, prompt.input_len, prompt.output_len)
     sent = time.perf_counter()
     res.start_s = sent - t0

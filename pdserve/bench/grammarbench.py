@@ -33,11 +33,15 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from cluster.paths import default_model_dir
+from pdserve.flags import DefaultsFormatter
+
+if TYPE_CHECKING:
+    import torch
 
 ENGINES = ("xgrammar", "llguidance", "outlines")
 
@@ -119,10 +123,12 @@ class _XGrammar:
 
     def __init__(self, model_dir, tokenizer, vocab_size, eos):
         from engine.structured import GrammarCompiler
+
         self.compiler = GrammarCompiler(model_dir, vocab_size, eos, max_cached=0)
 
     def compile(self, kind, value):
         from engine.structured import StructuredSpec
+
         return self.compiler.compile(StructuredSpec(kind, value))
 
     def matcher(self, compiled):
@@ -142,6 +148,7 @@ class _LLGuidance:
         import llguidance
         import llguidance.hf
         import llguidance.torch
+
         self.llg, self.lt = llguidance, llguidance.torch
         self.tok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
                                                 eos_token=list(eos))
@@ -179,6 +186,7 @@ class _Outlines:
 
     def __init__(self, model_dir, tokenizer, vocab_size, eos):
         import outlines_core
+
         self.oc = outlines_core
         self.eos = eos[0]
         special = set(tokenizer.all_special_ids)
@@ -196,6 +204,7 @@ class _Outlines:
 
     def compile(self, kind, value):
         from outlines_core.json_schema import build_regex_from_schema
+
         if kind == "json_schema":
             regex = build_regex_from_schema(value, r"[ ]?")
         elif kind == "regex":
@@ -235,6 +244,8 @@ _ADAPTERS = {"xgrammar": _XGrammar, "llguidance": _LLGuidance, "outlines": _Outl
 
 
 def _walk(engine, compiled, tokens, eos, words) -> dict:
+    import torch
+
     bitmask = torch.full((1, words), -1, dtype=torch.int32)
     m = engine.matcher(compiled)
     fill_ns, accept_ns, bad = [], [], 0
@@ -252,6 +263,8 @@ def _walk(engine, compiled, tokens, eos, words) -> dict:
 
 
 def bench_engine(name, model_dir, tokenizer, vocab_size, eos, repeat) -> dict:
+    import torch
+
     words = (vocab_size + 31) // 32
     t0 = time.perf_counter()
     try:
@@ -301,7 +314,10 @@ def bench_engine(name, model_dir, tokenizer, vocab_size, eos, repeat) -> dict:
 
 def bench_apply(vocab_size, repeat) -> dict:
     """engine.structured.apply_bitmask (pure torch) on CPU logits, for a sense of its cost."""
+    import torch
+
     from engine.structured import apply_bitmask
+
     out = {}
     for rows in (1, 32):
         logits = torch.randn(rows, vocab_size)
@@ -317,10 +333,11 @@ def bench_apply(vocab_size, repeat) -> dict:
 
 
 def run(args) -> dict:
+    import torch
     from transformers import AutoTokenizer
 
-    from engine.config import ModelConfig
     from cluster.paths import resolve_model
+    from engine.config import ModelConfig
 
     model_dir = resolve_model(args.model)
     cfg = ModelConfig.from_dir(model_dir)
@@ -370,12 +387,22 @@ def _print(result: dict) -> None:
         f"{k.replace('_us', '').replace('_', ' ')}: {v:.0f} us" for k, v in a.items()))
 
 
+def register(sub) -> None:
+    p = sub.add_parser(
+        "grammarbench", help="structured-output engines on the model's vocabulary",
+        formatter_class=DefaultsFormatter,
+        description="Compile time and per-token mask / accept cost of xgrammar (what the "
+                    "workers use), llguidance and outlines-core (when installed) on a nested "
+                    "JSON schema, regexes and a choice, with the model's tokenizer.")
+    p.add_argument("--model", default=None,
+                   help=f"model folder (default: {default_model_dir()})")
+    p.add_argument("--engines", default=",".join(ENGINES), help="comma list")
+    p.add_argument("--repeat", type=int, default=5, help="compiles and walks per case")
+    p.add_argument("--out", default=None, help="JSON file for the figures")
+    p.set_defaults(target="pdserve.bench.grammarbench:main")
+
+
 def main(args) -> int:
     run(args)
     return 0
 
-
-if __name__ == "__main__":
-    from pdserve.cli import main as cli_main
-
-    sys.exit(cli_main(["grammarbench", *sys.argv[1:]]))

@@ -38,13 +38,12 @@ import struct
 import subprocess
 import sys
 import time
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.kv_layout import KVLayout
-from kvtransfer.base import block_bytes, create_sender
-from kvtransfer.integrity import block_checksums
-from kvtransfer.wire import target_from_pb, target_to_pb
+
+if TYPE_CHECKING:
+    import torch
 
 LAYOUT = KVLayout("float32", 16, 30, 3, 64)
 
@@ -59,6 +58,7 @@ def _free_port() -> int:
 async def _receive(name: str, num_blocks: int, requests: int, checksum: bool) -> None:
     from kvtransfer.base import TransferTarget
     from kvtransfer.loopback import MemorySink, receiving
+    from kvtransfer.wire import target_to_pb
 
     sink = MemorySink(LAYOUT, num_blocks)
     async with receiving(name, sink, f"127.0.0.1:{_free_port()}",
@@ -103,6 +103,8 @@ def _tcp_receive(port: int, nbytes: int, requests: int) -> None:
 
 def _cma_receive(num_blocks: int) -> None:
     """A pool the parent writes into with process_vm_writev; its checksum on request."""
+    import torch
+
     kv = torch.ones(LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads,
                     LAYOUT.head_dim)         # ones, not zeros: every page is touched
     print("cma", os.getpid(), kv.data_ptr(), flush=True)
@@ -150,6 +152,8 @@ async def _send(name: str, src: torch.Tensor, chunk: int,
                 requests: int) -> tuple[dict[bool, list[float]], dict[bool, list[float]]]:
     """-> request times with checksums (True) and without (False), the two taking turns, and
     the pool's thread's seconds of each request."""
+    from kvtransfer.base import create_sender
+    from kvtransfer.wire import target_from_pb
     from proto import pdserve_pb2 as pb
 
     n = src.shape[2]
@@ -205,6 +209,8 @@ async def _request(name: str, child: subprocess.Popen, sender, target, src: torc
 
 
 def _memcpy(src: torch.Tensor, requests: int) -> list[float]:
+    import torch
+
     dst = torch.empty_like(src)
     times = []
     for _ in range(requests):
@@ -215,6 +221,8 @@ def _memcpy(src: torch.Tensor, requests: int) -> list[float]:
 
 
 def _tcp(nbytes: int, requests: int) -> list[float]:
+    import torch
+
     port = _free_port()
     child = _spawn("--serve-tcp", str(port), "--nbytes", str(nbytes), "--requests", str(requests))
     try:
@@ -271,6 +279,8 @@ def _cma(src: torch.Tensor, chunk: int, requests: int) -> list[float]:
 
 
 def _checksums(src: torch.Tensor, requests: int) -> list[float]:
+    from kvtransfer.integrity import block_checksums
+
     blocks = range(src.shape[2])
     times = []
     for _ in range(requests):
@@ -281,6 +291,10 @@ def _checksums(src: torch.Tensor, requests: int) -> list[float]:
 
 
 def run(args) -> dict:
+    import torch
+
+    from kvtransfer.base import block_bytes
+
     bb = block_bytes(LAYOUT)
     num_blocks = max(1, int(args.mib * (1 << 20)) // bb)
     nbytes = num_blocks * bb
@@ -326,12 +340,28 @@ def run(args) -> dict:
     return summary
 
 
+def register(sub) -> None:
+    p = sub.add_parser(
+        "kvbench", help="KV transfer bandwidth of each transport vs memcpy and a TCP socket",
+        description="Move --mib of KV blocks (the default model's layout) per request from this "
+                    "process to a receiver process, --chunk-blocks per send as a prefill worker "
+                    "does, over each transport; compare with memcpy and a plain TCP socket.")
+    p.add_argument("--mib", type=float, default=64.0, help="KV bytes per request, in MiB")
+    p.add_argument("--transports", default="grpc,torch,nixl", help="comma list")
+    p.add_argument("--chunk-blocks", type=int, default=16, help="blocks per send")
+    p.add_argument("--repeat", type=int, default=5, help="requests per path")
+    p.add_argument("--out", default=None, help="JSON file for the figures")
+    p.set_defaults(target="pdserve.bench.kvbench:main")
+
+
 def main(args) -> int:
     run(args)
     return 0
 
 
 def _child(argv: list[str]) -> None:
+    import torch
+
     p = argparse.ArgumentParser()
     p.add_argument("--serve")
     p.add_argument("--serve-tcp", type=int)

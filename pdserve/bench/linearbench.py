@@ -14,15 +14,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+from cluster.paths import default_model_dir, resolve_model
+from pdserve.flags import DefaultsFormatter
 
-from engine.config import ModelConfig
-from engine.layers.linear import (Avx2Method, DenseMethod, LinearMethod, OneDnnMethod,
-                                  onednn_available, packed_copy)
-from kernels import cpu_linear
-from cluster.paths import resolve_model
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from engine.config import ModelConfig
+    from engine.layers.linear import LinearMethod
 
 
 def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
@@ -34,6 +36,11 @@ def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
 
 
 def backends(device: torch.device) -> dict[str, LinearMethod]:
+    import torch
+
+    from engine.layers.linear import Avx2Method, DenseMethod, OneDnnMethod, onednn_available
+    from kernels import cpu_linear
+
     out: dict[str, LinearMethod] = {}
     if cpu_linear.available():
         out["avx2"] = Avx2Method()
@@ -44,11 +51,17 @@ def backends(device: torch.device) -> dict[str, LinearMethod]:
 
 
 def build(shapes: list[tuple[int, int]], method: LinearMethod, seed: int) -> list[nn.Module]:
+    import torch
+
+    from engine.layers.linear import packed_copy
+
     gen = torch.Generator().manual_seed(seed)
     return [packed_copy(torch.randn(n, k, generator=gen) * k ** -0.5, method) for n, k in shapes]
 
 
 def time_pass(mods: list[nn.Module], rows: int, repeat: int) -> float:
+    import torch
+
     inputs = {m_in: torch.randn(rows, m_in) for m_in in {m.in_features for m in mods}}
     best = float("inf")
     with torch.inference_mode():
@@ -61,6 +74,10 @@ def time_pass(mods: list[nn.Module], rows: int, repeat: int) -> float:
 
 
 def run(args) -> dict:
+    import torch
+
+    from engine.config import ModelConfig
+
     torch.set_num_threads(args.threads)
     cfg = ModelConfig.from_dir(resolve_model(args.model))
     layers = cfg.num_layers if args.layers <= 0 else min(args.layers, cfg.num_layers)
@@ -101,6 +118,26 @@ def run(args) -> dict:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1, default=str)
     return out
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "linearbench", help="CPU linear layers of one forward pass: our kernel, oneDNN, torch",
+        formatter_class=DefaultsFormatter,
+        description="Time a model's linear layers (its config's shapes, random fp32 weights) in "
+                    "model order, as one forward pass runs them, for each row count and backend: "
+                    "avx2 (our kernel), onednn (packed), torch (nn.Linear).")
+    p.add_argument("--model", default=None,
+                   help=f"model folder whose config.json gives the shapes "
+                        f"(default: {default_model_dir()})")
+    p.add_argument("--rows", default="1,2,5,9,17,32,128", help="comma list of row counts")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--layers", type=int, default=0, help="decoder layers to include (0: all)")
+    p.add_argument("--backends", default="avx2,onednn,torch", help="comma list")
+    p.add_argument("--repeat", type=int, default=5, help="passes per point; the best is kept")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--out", default=None, help="JSON file for the figures")
+    p.set_defaults(target="pdserve.bench.linearbench:main")
 
 
 def main(args) -> int:

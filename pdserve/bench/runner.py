@@ -20,17 +20,18 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
-import httpx
-from tqdm import tqdm
-
+from cluster.paths import default_model_dir
 from pdserve.bench import report as report_mod
 from pdserve.bench.client import request_body, send
 from pdserve.bench.stats import SLO, RequestResult, summarize
 from pdserve.bench.workloads import (Prompt, PromptMaker, code_edit_prompts, poisson_arrivals,
                                      random_prompts, shared_prefix_prompts)
-from cluster.paths import default_model_dir
+from pdserve.flags import DefaultsFormatter
+
+if TYPE_CHECKING:
+    import httpx
 
 WORKLOADS = ("random", "shared-prefix", "long-burst", "code-edit")
 LONG_POOL = 32        # long prompts prepared when --num-long is 0
@@ -195,6 +196,8 @@ def build_prompts(cfg: BenchConfig, maker: PromptMaker) -> tuple[list[Prompt], l
 async def run_point(cfg: BenchConfig, client: httpx.AsyncClient, model: str, maker: PromptMaker,
                     index: int) -> dict:
     """Runs load point `index` of cfg.points; returns its JSON-ready result."""
+    from tqdm import tqdm
+
     name, value = cfg.points[index]
     seed = cfg.seed + POINT_SEED_STEP * index
     maker.rng = random.Random(seed)
@@ -234,6 +237,8 @@ async def run_point(cfg: BenchConfig, client: httpx.AsyncClient, model: str, mak
 
 
 async def served_model(client: httpx.AsyncClient, base_url: str) -> str:
+    import httpx
+
     try:
         resp = await client.get(base_url + "/v1/models", timeout=30)
         resp.raise_for_status()
@@ -256,6 +261,8 @@ async def warm_up(cfg: BenchConfig, client: httpx.AsyncClient, model: str,
 
 async def run_benchmark(cfg: BenchConfig) -> dict:
     """Runs every load point of cfg; returns the report (see report.py for its shape)."""
+    import httpx
+
     base_url = cfg.base_url.rstrip("/").removesuffix("/v1")
     cfg = replace(cfg, base_url=base_url)
     maker = PromptMaker(cfg.tokenizer or default_model_dir(), cfg.seed)
@@ -270,6 +277,110 @@ async def run_benchmark(cfg: BenchConfig) -> dict:
     return {"label": cfg.label or Path(cfg.out or "bench").stem,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "config": config, "runs": runs}
+
+
+def _add_target(target) -> None:
+    """The server and what every request sends."""
+    target.add_argument("--base-url", default="http://127.0.0.1:8000",
+                        help="server root; requests go to BASE_URL/v1/completions")
+    target.add_argument("--model", default=None,
+                        help="model name to send (default: the first id of GET /v1/models)")
+    target.add_argument("--tokenizer", default=None,
+                        help="model folder with tokenizer.json, to build exact-length prompts "
+                             f"(default: {default_model_dir()})")
+    target.add_argument("--prompt-format", choices=["text", "ids"], default="text",
+                        help="send prompts as text (works everywhere) or as token-id lists")
+    target.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
+    target.add_argument("--extra-body", default=None,
+                        help="JSON object merged into every request body, e.g. '{\"top_k\": 1}'")
+    target.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+
+
+def _add_load(load) -> None:
+    """Which prompts, how many and how they arrive."""
+    load.add_argument("--workload", choices=WORKLOADS, default="random",
+                      help="random: --num-prompts prompts of --input-len tokens; shared-prefix: "
+                           "--num-groups x --users-per-group prompts, each group sharing "
+                           "--prefix-len tokens; long-burst: random short chats plus long prompts "
+                           "arriving at --long-rate, reported separately; code-edit: "
+                           "--num-prompts chat requests to return an edited code snippet whole "
+                           "(answers repeat the prompt)")
+    load.add_argument("--num-prompts", type=int, default=64,
+                      help="requests per run (random and long-burst's short chats)")
+    load.add_argument("--input-len", type=int, default=256, help="prompt tokens (random)")
+    load.add_argument("--output-len", type=int, default=64, help="max_tokens of every request")
+    load.add_argument("--concurrency", default=None, metavar="N[,N...]",
+                      help="closed loop: requests in flight; a comma list (1,4,16,64) sweeps "
+                           "(default 16 unless --request-rate)")
+    load.add_argument("--request-rate", default=None, metavar="RATE[,RATE...]",
+                      help="open loop: Poisson arrivals in requests/s ('inf': all at once); "
+                           "a comma list sweeps")
+    load.add_argument("--warmup", type=int, default=1,
+                      help="unmeasured requests sent one by one before the first run")
+    load.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
+
+
+def _add_workloads(bench) -> None:
+    """The shared-prefix and long-burst workloads' own flags."""
+    sp = bench.add_argument_group("shared-prefix workload")
+    sp.add_argument("--num-groups", type=int, default=4, help="distinct shared prefixes")
+    sp.add_argument("--users-per-group", type=int, default=8, help="requests per prefix")
+    sp.add_argument("--prefix-len", type=int, default=512, help="shared prefix tokens")
+    sp.add_argument("--question-len", type=int, default=64,
+                    help="tokens after the prefix, distinct per request")
+    lb = bench.add_argument_group("long-burst workload")
+    lb.add_argument("--long-len", type=int, default=2000, help="tokens of a long prompt")
+    lb.add_argument("--long-rate", type=float, default=0.2,
+                    help="Poisson arrivals of long prompts in requests/s")
+    lb.add_argument("--num-long", type=int, default=0,
+                    help="at most this many long prompts (0: 32); arrivals stop when the "
+                         "short chats finish")
+
+
+def _add_report(out) -> None:
+    """SLOs and where the report goes."""
+    out.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput SLO on TTFT")
+    out.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput SLO on TPOT")
+    out.add_argument("--slo-e2e-ms", type=float, default=None, help="goodput SLO on E2E latency")
+    out.add_argument("--label", default=None, help="name of this run in tables and plots")
+    out.add_argument("--out", default=None,
+                     help="JSON file: config, per-run summaries, per-request numbers")
+    out.add_argument("--plot", default=None,
+                     help="PNG of latency CDFs (and sweep curves); default: --out with .png")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def register(sub) -> None:
+    """`pdserve bench` and `pdserve bench compare`."""
+    bench = sub.add_parser(
+        "bench", help="load-test any OpenAI-compatible server (pdserve, vLLM, the HF baseline)",
+        formatter_class=DefaultsFormatter,
+        description="Load generator for any OpenAI-compatible server: POST /v1/completions with\n"
+                    "stream=true, stream_options.include_usage and ignore_eos. Prompts are random\n"
+                    "token ids decoded to text whose re-encoding has exactly the requested length\n"
+                    "(same seed, same prompts on every server). Reports TTFT, TPOT, ITL and E2E\n"
+                    "percentiles, request/token throughput and goodput under SLOs; --out writes\n"
+                    "JSON (summaries and per-request numbers) and a PNG beside it.",
+        epilog="examples:\n"
+               "  pdserve bench --base-url http://127.0.0.1:8000 --concurrency 1,4,16 "
+               "--num-prompts 32 --out ours.json\n"
+               "  pdserve bench --workload long-burst --concurrency 8 --long-len 2000 "
+               "--long-rate 0.2 --slo-tpot-ms 200\n"
+               "  pdserve bench compare ours.json vllm.json")
+    _add_target(bench.add_argument_group("target"))
+    _add_load(bench.add_argument_group("load"))
+    _add_workloads(bench)
+    _add_report(bench.add_argument_group("report"))
+    bench.set_defaults(target="pdserve.bench.runner:main")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{compare}")
+    compare = bench_sub.add_parser(
+        "compare", help="side-by-side table of bench JSON files with ratios",
+        description="Print the summaries of several `pdserve bench --out` files side by side. "
+                    "Runs are matched by workload point (concurrency or rate, request kind); "
+                    "ratio columns give FIRST / OTHER (throughput > 1 and latency < 1 mean the "
+                    "first file is better).")
+    compare.add_argument("files", nargs="+", help="JSON files; the first is the reference")
+    compare.set_defaults(target="pdserve.bench.report:compare_main")
 
 
 def main(args) -> int:

@@ -27,14 +27,15 @@ import json
 import statistics
 import time
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-import torch
+from cluster.paths import default_model_dir, resolve_model
+from pdserve.flags import QUANTIZATION_CHOICES, DefaultsFormatter, add_cpu_paths
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.layers.linear import Linear
-from engine.request import Request, SamplingParams
-from cluster.paths import resolve_model
+if TYPE_CHECKING:
+    import torch
+
+    from engine.engine import Engine
 
 WARMUP = 3
 ENDLESS_SCHEMA = {"type": "array", "items": {"type": "string"}, "minItems": 10000}
@@ -60,6 +61,8 @@ def _timing(obj, name: str, spent: list[float]):
 
 def _time_linears(model: torch.nn.Module) -> list[float]:
     """Wrap every Linear's forward to add its wall time to the returned one-element list."""
+    from engine.layers.linear import Linear
+
     spent = [0.0]
     for m in model.modules():
         if isinstance(m, Linear):
@@ -75,6 +78,11 @@ def _time_linears(model: torch.nn.Module) -> list[float]:
 
 
 def run(args) -> dict:
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
     torch.set_num_threads(args.threads)
     budget = max(2048, args.context)
     # the first sequences decode while the last prompts are computed: room for those tokens too
@@ -95,6 +103,11 @@ def run(args) -> dict:
 
 
 def _measure(args, eng: Engine, new: int) -> dict:
+    import torch
+
+    from engine.layers.linear import Linear
+    from engine.request import Request, SamplingParams
+
     spent = _time_linears(eng.model)
     gen = torch.Generator().manual_seed(args.seed)
     vocab = eng.model_cfg.vocab_size
@@ -122,7 +135,7 @@ def _measure(args, eng: Engine, new: int) -> dict:
     for i in range(args.steps + WARMUP):
         spent[0] = mask_spent[0] = 0.0
         t0 = time.perf_counter()
-        with _timing(eng, "_grammar_masks", mask_spent), \
+        with _timing(eng.batch, "_grammar_masks", mask_spent), \
                 _timing(structured_module, "apply_bitmask", mask_spent):
             eng.step()
         dt = time.perf_counter() - t0
@@ -164,6 +177,8 @@ def _measure(args, eng: Engine, new: int) -> dict:
 
 def cpu_paths() -> list[tuple[str, str]]:
     """(linear method, cpu attention) pairs this host runs for the fp32 model on its CPU."""
+    import torch
+
     from engine.attention.torch_backend import runnable_cpu_attention
     from engine.layers.linear import runnable_linear_methods
 
@@ -174,6 +189,8 @@ def cpu_paths() -> list[tuple[str, str]]:
 
 def auto_path() -> tuple[str, str]:
     """What `auto` resolves to on this host (fp32 on the CPU)."""
+    import torch
+
     from engine.attention.torch_backend import use_cpu_kernel
     from engine.layers.linear import linear_method_for
 
@@ -187,6 +204,8 @@ def compare(args) -> list[dict]:
     import argparse
     import contextlib
     import io
+
+    import torch
 
     batches = [int(b) for b in args.compare.split(",") if b.strip()]
     paths = cpu_paths()
@@ -225,6 +244,39 @@ def compare(args) -> list[dict]:
         with open(args.out, "w") as f:
             json.dump(dict(isa=cap, auto=auto, rows=rows), f, indent=1)
     return rows
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "stepbench", help="an engine's decode step in process, and its share outside the linears",
+        formatter_class=DefaultsFormatter,
+        description="Time --steps decode steps of --batch sequences at --context tokens, in "
+                    "process, and how much of each step the linear layers take.")
+    p.add_argument("--model", default=None,
+                   help=f"model folder (default: {default_model_dir()})")
+    p.add_argument("--batch", type=int, default=32, help="decoding sequences")
+    p.add_argument("--context", type=int, default=256, help="prompt tokens of each")
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="attention kernels")
+    add_cpu_paths(p)
+    p.add_argument("--quantization", default="none", choices=QUANTIZATION_CHOICES,
+                   help="as the workers' flag; w4a16 / w8a8 with random weights (no --model)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model over N ranks, --threads each (as the workers' flag)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--structured", default="off", choices=["off", "json"],
+                   help="json: every sequence follows a JSON-schema grammar; the report adds "
+                        "the grammar masks' time per step")
+    p.add_argument("--compare", default=None, metavar="BATCHES",
+                   help="comma list of batch sizes (e.g. 1,8,32): time every CPU path this "
+                        "host can run (each --linear-method x --cpu-attention) at each, "
+                        "interleaved, and print one table (ratios against the auto choice)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="with --compare: passes over all paths (the median is kept)")
+    p.add_argument("--out", default=None, help="JSON file for the figures")
+    p.set_defaults(target="pdserve.bench.stepbench:main")
 
 
 def main(args) -> int:
