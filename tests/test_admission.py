@@ -23,8 +23,9 @@ from engine.engine import Engine
 from engine.request import Request, SamplingParams
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from tests.stack import standard_stack
+from tests.stack import standard_stack, wait_idle, wait_until
 from tests.test_model_parity import make_model
+from tests.waiting import wait_until_async
 
 
 @pytest.fixture(scope="module")
@@ -135,18 +136,6 @@ def _decode(s):
     return next(p for p in s.procs if p.name == "decode")
 
 
-def _idle(s) -> None:
-    """Wait until the decode worker has nothing running or waiting (aborts are asynchronous)."""
-    def idle():
-        with grpc.insecure_channel(_decode(s).address) as ch:
-            st = pb_grpc.DecodeWorkerStub(ch).Stats(pb.StatsRequest(), timeout=5)
-        return st.running == 0 and st.waiting == 0 and st.free_blocks == st.total_blocks
-    deadline = time.monotonic() + 30
-    while not idle():
-        assert time.monotonic() < deadline, "the decode worker did not become idle"
-        time.sleep(0.2)
-
-
 def _long_body(max_tokens: int = 400) -> dict:
     return {"prompt": "Count: one, two, three,", "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
@@ -164,10 +153,10 @@ def test_a_full_decode_queue_is_resource_exhausted_with_retry_after(stack):
             calls = [decode("q0")]
             await calls[0].read()                          # q0 runs
             calls.append(decode("q1"))
-            for _ in range(300):                           # q1 waits
-                if (await stub.Stats(pb.StatsRequest(), timeout=10)).waiting >= 1:
-                    break
-                await asyncio.sleep(0.1)
+
+            async def q1_waits() -> bool:
+                return (await stub.Stats(pb.StatsRequest(), timeout=10)).waiting >= 1
+            await wait_until_async(q1_waits, 30, "q1 waiting", interval_s=0.1)
             third = decode("q2")
             t0 = time.perf_counter()
             with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -179,7 +168,7 @@ def test_a_full_decode_queue_is_resource_exhausted_with_retry_after(stack):
             return e.value, took, trailers
 
     err, took, trailers = asyncio.run(run())
-    _idle(stack)
+    wait_idle(_decode(stack))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
     assert "max-waiting-requests 1" in err.details()
     assert trailers.get("retry-after") == "1" and took < 5
@@ -245,10 +234,9 @@ def test_the_gateway_bound_answers_429_with_retry_after_and_recovers(stack):
     for t in threads:
         t.start()
     try:
-        deadline = time.monotonic() + 60
-        while (now := in_flight()) < 2:               # both admitted (one waits for the worker)
-            assert time.monotonic() < deadline, f"in flight: {now}, answers: {results}"
-            time.sleep(0.1)
+        wait_until(lambda: in_flight() >= 2, 60,     # both admitted (one waits for the worker)
+                   lambda: f"both streams in flight: {in_flight()}, answers: {results}",
+                   interval_s=0.1)
         r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
                        timeout=30)
         metrics = httpx.get(base + "/metrics", timeout=10).text
@@ -262,7 +250,7 @@ def test_the_gateway_bound_answers_429_with_retry_after_and_recovers(stack):
     assert r.json()["error"]["code"] == "overloaded"
     assert r.json()["error"]["type"] == "rate_limit_error"
     assert "pdserve_requests_overloaded_total 1.0" in metrics
-    _idle(stack)
+    wait_idle(_decode(stack))
     ok = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2,
                                                     "temperature": 0}, timeout=120)
     assert ok.status_code == 200, ok.text
@@ -287,7 +275,7 @@ def test_a_huge_prompt_is_tokenized_off_the_event_loop(stack):
         t0 = time.perf_counter()
         httpx.get(base + "/health", timeout=30)
         latencies.append(time.perf_counter() - t0)
-        time.sleep(0.05)
+        time.sleep(0.05)                                 # the pace of the samples, not a wait
     t.join(120)
     assert done["status"] == 400                         # far longer than the context
     assert latencies, "the huge prompt was refused before /health could be asked"

@@ -5,6 +5,7 @@ merely late."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from pathlib import Path
 
@@ -26,10 +27,11 @@ def wait_until(pred, timeout_s: float, what: str, procs=(), interval_s: float = 
         time.sleep(interval_s)
 
 
-async def wait_until_async(pred, timeout_s: float, what: str, interval_s: float = 0.01) -> None:
-    """wait_until inside an event loop: pred() is polled between the loop's other work."""
+async def wait_until_async(pred, timeout_s: float, what, interval_s: float = 0.01) -> None:
+    """wait_until inside an event loop: pred() (a value, or an awaitable of one) is polled
+    between the loop's other work."""
     deadline = time.monotonic() + timeout_s
-    while not pred():
+    while not await _value(pred()):
         if time.monotonic() > deadline:
             raise TimeoutError(f"waited {timeout_s}s for {_name(what)}")
         await asyncio.sleep(interval_s)
@@ -37,3 +39,7 @@ async def wait_until_async(pred, timeout_s: float, what: str, interval_s: float 
 
 def _name(what) -> str:
     return what() if callable(what) else what
+
+
+async def _value(result):
+    return await result if inspect.isawaitable(result) else result
