@@ -1,6 +1,6 @@
-"""`pdserve up` under TLS, mutual TLS and API keys: the README's command as a user runs it, and
-the probe `up` waits on its gateway with (GatewayProbe) against a small HTTPS server that asks
-for client certificates the way the gateway does.
+"""`pdserve up` under TLS, mutual TLS and API keys: the command of docs/operations.md as a user
+runs it, and the probe `up` waits on its gateway with (GatewayProbe) against a small HTTPS
+server that asks for client certificates the way the gateway does.
 
 Certificates are made here with the openssl CLI: a CA; a server certificate for 127.0.0.1 for
 server authentication only (so it cannot stand in for a client); a client certificate; a
@@ -209,10 +209,10 @@ def test_a_client_certificate_needs_mutual_tls(certs):
                                  8000, args.ssl_client_certfile, args.ssl_client_keyfile)
 
 
-# ---- the README's command -----------------------------------------------------------------
+# ---- docs/operations.md's command ---------------------------------------------------------
 
 @pytest.mark.slow
-def test_up_with_api_keys_and_mutual_tls_as_the_readme_runs_it(model_dir, certs, tmp_path):
+def test_up_with_api_keys_and_mutual_tls_as_the_docs_run_it(model_dir, certs, tmp_path):
     """`PDSERVE_API_KEY=sk-mine pdserve up --ssl-certfile server.pem --ssl-keyfile server.key
     --ssl-ca-certs ca.pem --ssl-client-certfile client.pem --ssl-client-keyfile client.key`
     comes up; the official client with the key and the client certificate gets a streamed
