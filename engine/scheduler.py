@@ -216,6 +216,14 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
         cap = self.cfg.long_prefill_cap if self.waiting else budget
+        budget = self._schedule_running(out, budget, cap)
+        if not out.preempted:                 # nothing joins a step that had to preempt
+            self._schedule_waiting(out, budget, cap)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, cap: int) -> int:
+        """Running requests into `out`, decodes first, preempting the newest when blocks run
+        out; -> the budget left."""
         order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
         for req in order:
             if budget <= 0:
@@ -248,8 +256,12 @@ class Scheduler:
                 continue                          # req preempted itself: nothing fits for it
             out.scheduled.append(self._scheduled(req, n))
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs \
-                and not out.preempted:
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, cap: int) -> None:
+        """Waiting requests into `out`, FIFO, from their cached prefix, while budget, sequence
+        slots and blocks last."""
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[0]
             hits: list[int] = []
             if req.num_computed_tokens == 0 and not self.kv.block_table(req.request_id):
@@ -271,7 +283,6 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, n))
             budget -= n
-        return out
 
     @staticmethod
     def _scheduled(req: Request, n: int) -> ScheduledRequest:
