@@ -4,18 +4,17 @@ int8, a quarter of the memory to stream; and int8 panels with group scales (`pac
 `linear_int8_grouped`: pre-quantized 4- and 8-bit checkpoints, W[n, k] = q[n, k] * scale[n,
 k // G]). Either way each weight is widened to fp32, in registers for one or two rows (where
 decode is memory-bound), or once per call into an L1 buffer that every pass of up to 6 rows
-reads (widening in each pass cost twice the time at 6 rows); each group's sums of x * q are
-scaled once (per feature: once at the end). Both compute the same products and sums, so an int8
-row, too, does not depend on its batch.
+reads (so the conversion is done once per call, not once per pass of rows); each group's sums
+of x * q are scaled once (per feature: once at the end). Both compute the same products and
+sums, so an int8 row, too, does not depend on its batch.
 
 The kernel (csrc/cpu_linear.cpp) streams each 16-feature panel of the weight from memory once
 per call (prefetching the next one into L2 while it computes) and reuses it from cache for every
-group of up to 6 rows. On an AVX2 core (fp32) it runs at memory speed up to ~9 rows and near the
-FMA peak beyond, where oneDNN's packed linear reaches 60-80% of it (`pdserve linearbench`, the
-default model's projections and lm_head, one thread: 1 row 33 vs 36 ms, 9 rows 34 vs 64 ms,
-17 rows 53 vs 94 ms, 128 rows 92 vs 75 GFLOPS).
-That makes scoring a few tokens per sequence (speculative verification, small decode batches)
-close to the cost of one.
+group of up to 6 rows. On an AVX2 core (fp32) it runs at memory speed for a few rows, since the
+weight is read once whatever the row count, and near the FMA peak beyond, ahead of oneDNN's
+packed linear (`pdserve linearbench`; the figures are in docs/performance.md, "CPU linear
+layers"). That makes scoring a few tokens per sequence (speculative verification, small decode
+batches) close to the cost of one.
 
 Each output is a sequential sum over k, so a row's result is the same whatever else is in the
 batch: a sequence's logits do not depend on which other sequences, or how many proposed tokens,
@@ -61,7 +60,7 @@ def cpu_supported() -> bool:
 
 def preferred() -> bool:
     """Whether the engine picks this kernel by default for float weights: where the host's best
-    vector ISA is AVX2 (kernels.cpu_build.avx2_host), as measured (README)."""
+    vector ISA is AVX2 (kernels.cpu_build.avx2_host), as measured (docs/performance.md)."""
     return cpu_build.avx2_host()
 
 

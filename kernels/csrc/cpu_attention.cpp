@@ -13,11 +13,11 @@
 // caller's thread count. A row is a (query, head) pair; a run holds every head of its queries, so
 // each K/V row loaded (all KV heads of a token, contiguous) serves every query head, and each
 // block is read whole, in address order, while the next one is prefetched (a block per KV head
-// would read a third of each block's lines per pass and leave the prefetcher nothing to follow:
-// 4-7x slower at 32 decodes of 256 tokens). For each KV block: scores of every row against its
-// keys, then an online softmax in fp32 (running max and sum per row) and the weighted V rows
-// added into the row accumulators. exp is a vectorized Cephes-style polynomial (relative error
-// ~2e-7); masked keys contribute exactly 0.
+// would read a third of each block's lines per pass and leave the prefetcher nothing to follow,
+// several times slower: docs/performance.md, "CPU attention"). For each KV block: scores of
+// every row against its keys, then an online softmax in fp32 (running max and sum per row) and
+// the weighted V rows added into the row accumulators. exp is a vectorized Cephes-style
+// polynomial (relative error ~2e-7); masked keys contribute exactly 0.
 //
 // Plain C ABI (no torch headers), loaded with ctypes by kernels/cpu_attention.py.
 

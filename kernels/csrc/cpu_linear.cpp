@@ -14,8 +14,8 @@
 // While a panel is computed, the next one is prefetched into L2, spread evenly over the passes
 // (one 64-byte line every `groups` k steps, each pass its share of the lines). Issuing a line
 // every k step instead, as fast as one pass runs, asks more of memory than one core gets: the
-// prefetches queue, the FMAs wait behind them, and 9 to 32 rows ran 25-35% slower (reading the
-// weight and computing on it did not overlap).
+// prefetches queue, the FMAs wait behind them, and reading the weight and computing on it no
+// longer overlap (measured: docs/performance.md, "CPU linear layers").
 //
 // Plain C ABI (no torch headers): loaded with ctypes by kernels/cpu_linear.py, which compiles it
 // on first use. Parallel over panels with OpenMP on the number of threads the caller passes (the
@@ -367,8 +367,8 @@ void linear_scaled(const float* x, int64_t M, int64_t K, const int8_t* packed, i
 }
 
 // int8 weights with scales, any rows: the register kernel up to kMaxScaledRows rows, beyond
-// that the L1 buffer (widening once per weight, not once per pass of rows; the default model's
-// projections, one thread: 6 rows 0.52 vs 1.18 ms, 32 rows 2.0 vs 4.6 ms).
+// that the L1 buffer, which widens each weight once per call instead of once per pass of rows
+// (the widening, not the reads, dominates there; measured: docs/performance.md).
 void linear_i8(const float* x, int64_t M, int64_t K, const int8_t* packed, int64_t N,
                const float* scales, int64_t G, const float* bias, float* y, int threads) {
     if (M > kMaxScaledRows && (G >= K || G <= kChunk))   // a chunk holds a whole group
