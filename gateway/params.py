@@ -106,7 +106,13 @@ class GenerationParams:
     skip_special_tokens: bool = True
     echo: bool = False
     structured: Structured | None = None
-    max_tokens_param: str = "max_tokens"    # the field the client set max_tokens with
+    # (parameter, the request field it came from) where the two names differ:
+    # max_completion_tokens, a completion's logprobs (its top_logprobs)
+    aliases: tuple[tuple[str, str], ...] = ()
+
+    def param(self, name: str) -> str:
+        """The request field the parameter `name` came from (for error messages)."""
+        return dict(self.aliases).get(name, name)
 
     @classmethod
     def from_client(cls, logit_bias: Iterable[tuple[Any, float]] = (),
@@ -139,11 +145,12 @@ class GenerationParams:
         if not 0 <= self.seed < SEED_LIMIT:
             raise bad_request(f"seed must be in [0, 2^64), got {self.seed}", "seed")
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad_request(f"{self.max_tokens_param} must be at least 1, got "
-                              f"{self.max_tokens}", self.max_tokens_param)
+            param = self.param("max_tokens")
+            raise bad_request(f"{param} must be at least 1, got {self.max_tokens}", param)
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise bad_request(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, "
-                              f"got {self.top_logprobs}", "top_logprobs")
+            param = self.param("top_logprobs")
+            raise bad_request(f"{param} must be between 0 and {MAX_TOP_LOGPROBS}, "
+                              f"got {self.top_logprobs}", param)
         if len(self.stop) > MAX_STOP_STRINGS:
             raise bad_request(f"at most {MAX_STOP_STRINGS} stop strings are supported, "
                               f"got {len(self.stop)}", "stop")
@@ -161,7 +168,7 @@ class GenerationParams:
                               "echo")
         if self.structured is not None:
             _check_structured(self.structured)
-        check_ints(self, {"max_tokens": self.max_tokens_param})
+        check_ints(self, dict(self.aliases))
 
     def _check_penalties(self) -> None:
         _check_range(self.min_p, 0.0, 1.0, "min_p")
@@ -359,7 +366,7 @@ class RequestPreparer:
                               f"you requested {num_prompt + params.max_tokens} tokens "
                               f"({num_prompt} in the {where}, {params.max_tokens} in the "
                               f"completion). Please reduce the length of the {where} or the "
-                              f"completion.", params.max_tokens_param)
+                              f"completion.", params.param("max_tokens"))
         return params.max_tokens
 
     def prepare(self, prompt: Prompt, params: GenerationParams, model: str | None = None,
@@ -376,7 +383,8 @@ class RequestPreparer:
         max_tokens = self._max_tokens(params, prompt.kind, len(ids))
         if params.min_tokens > max_tokens:
             raise bad_request(f"min_tokens ({params.min_tokens}) must not exceed the output's "
-                              f"bound ({params.max_tokens_param} = {max_tokens})", "min_tokens")
+                              f"bound ({params.param('max_tokens')} = {max_tokens})",
+                              "min_tokens")
         self._check_vocab((tok for tok, _ in params.logit_bias), "logit_bias")
         self._check_vocab(params.stop_token_ids, "stop_token_ids")
         salt = cache_salt or ""

@@ -351,9 +351,10 @@ class _CommonRequest(RequestBody):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def _params(self, max_tokens: int | None, logprobs: bool, top_logprobs: int,
-                max_tokens_param: str = "max_tokens", echo: bool = False,
+                aliases: tuple[tuple[str, str], ...] = (), echo: bool = False,
                 structured: Structured | None = None) -> GenerationParams:
-        """The request's generation parameters, checked (GatewayError 400 naming the field)."""
+        """The request's generation parameters, checked (GatewayError 400 naming the field;
+        `aliases`: GenerationParams.aliases)."""
         return GenerationParams.from_client(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k, seed=self.seed, stop=self._stop(), ignore_eos=self.ignore_eos,
@@ -364,7 +365,7 @@ class _CommonRequest(RequestBody):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, echo=echo, structured=structured,
-            max_tokens_param=max_tokens_param)
+            aliases=aliases)
 
 
 class CompletionRequest(_CommonRequest):
@@ -400,10 +401,8 @@ class CompletionRequest(_CommonRequest):
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
         lp = self.logprobs
-        if lp is not None and not 0 <= lp <= MAX_TOP_LOGPROBS:
-            raise bad_request(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {lp}",
-                              "logprobs")
         return self.prompts(), self._params(self.max_tokens, lp is not None, lp or 0,
+                                            (("top_logprobs", "logprobs"),),
                                             echo=bool(self.echo), structured=self._structured())
 
 
@@ -440,8 +439,8 @@ class ChatCompletionRequest(_CommonRequest):
                         tools=tools, tool_parser=plan.parser if plan is not None else "")
         max_tokens = (self.max_completion_tokens if self.max_completion_tokens is not None
                       else self.max_tokens)
-        param = ("max_completion_tokens" if self.max_completion_tokens is not None
-                 else "max_tokens")
+        aliases = ((("max_tokens", "max_completion_tokens"),)
+                   if self.max_completion_tokens is not None else ())
         structured = self._structured()
         schema = plan.schema() if plan is not None else None
         if schema is not None:             # "required" / a named function: the call parses
@@ -451,7 +450,7 @@ class ChatCompletionRequest(_CommonRequest):
                                   "tool_choice")
             structured = Structured("json_schema", json.dumps(schema, ensure_ascii=False))
         return [prompt], self._params(max_tokens, bool(self.logprobs), self.top_logprobs or 0,
-                                      param, structured=structured)
+                                      aliases, structured=structured)
 
 
 def _loc(err: dict) -> list[str]:
