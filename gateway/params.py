@@ -11,7 +11,7 @@ import json
 import math
 import secrets
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Literal, Sequence
 
 from gateway.errors import GatewayError, bad_request
@@ -79,17 +79,18 @@ class GenerationParams:
     """A request's generation parameters: the one type from the gateway's edge to the workers.
 
     Made by `from_client` (both front doors), which checks every field against what it may be
-    on its own and fills in the defaults (a seed is chosen when the client gave none);
-    `RequestPreparer.prepare` checks what needs the model (token ids within the vocabulary,
-    prompt + max_tokens within the context) and bounds max_tokens, so the params of a
-    PreparedRequest have every field set. `to_proto` is the one conversion to the wire.
+    on its own and fills in the defaults; `RequestPreparer.prepare` checks what needs the model
+    (token ids within the vocabulary, prompt + max_tokens within the context), bounds
+    max_tokens and chooses a seed when the client gave none (one per prompt of a batch), so the
+    params of a PreparedRequest have every field set. `to_proto` is the one conversion to the
+    wire.
     """
 
     max_tokens: int | None = None      # None: not given (prepare bounds it by the context)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0          # 0 means off
-    seed: int = field(default_factory=lambda: secrets.randbits(63))
+    seed: int | None = None            # None: not given (prepare chooses one)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
@@ -142,7 +143,7 @@ class GenerationParams:
         if self.top_k < -1:
             raise bad_request(f"top_k must be -1 or 0 (off) or a positive number, got "
                               f"{self.top_k}", "top_k")
-        if not 0 <= self.seed < SEED_LIMIT:
+        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
             raise bad_request(f"seed must be in [0, 2^64), got {self.seed}", "seed")
         if self.max_tokens is not None and self.max_tokens < 1:
             param = self.param("max_tokens")
@@ -179,7 +180,7 @@ class GenerationParams:
             raise bad_request(f"min_tokens must be >= 0, got {self.min_tokens}", "min_tokens")
 
     def to_proto(self) -> pdserve_pb2.SamplingParams:
-        """The wire form (params of a PreparedRequest: max_tokens is set)."""
+        """The wire form (params of a PreparedRequest: max_tokens and seed are set)."""
         msg = pdserve_pb2.SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
             max_tokens=self.max_tokens, ignore_eos=self.ignore_eos, stop=list(self.stop),
@@ -387,11 +388,12 @@ class RequestPreparer:
                               "min_tokens")
         self._check_vocab((tok for tok, _ in params.logit_bias), "logit_bias")
         self._check_vocab(params.stop_token_ids, "stop_token_ids")
+        seed = secrets.randbits(63) if params.seed is None else params.seed
         salt = cache_salt or ""
         if len(salt) > MAX_CACHE_SALT:
             raise bad_request(f"cache_salt must be at most {MAX_CACHE_SALT} characters, got "
                               f"{len(salt)}", "cache_salt")
         return PreparedRequest(request_id=request_id or uuid.uuid4().hex, model=self.served.name,
                                kind=prompt.kind, prompt_token_ids=ids,
-                               params=replace(params, max_tokens=max_tokens), cache_salt=salt,
-                               client_request_id=client_request_id)
+                               params=replace(params, max_tokens=max_tokens, seed=seed),
+                               cache_salt=salt, client_request_id=client_request_id)

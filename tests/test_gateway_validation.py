@@ -233,7 +233,8 @@ def test_defaults_like_vllm(preparer):
     assert chat.params.max_tokens == 8
     assert chat.prompt_token_ids == tuple(
         preparer.tokenizer.encode_chat([{"role": "user", "content": "Hi"}]))
-    seeds = {preparer.prepare(Prompt(text="x"), defaults()).params.seed for _ in range(4)}
+    unseeded = defaults()        # one for the prompts of a batch: each gets a seed of its own
+    seeds = {preparer.prepare(Prompt(text="x"), unseeded).params.seed for _ in range(4)}
     assert len(seeds) == 4  # a fresh random seed per request
     fixed = preparer.prepare(Prompt(token_ids=(1, 2)), defaults(seed=7, top_k=-1, stop=("a",)))
     assert (fixed.params.seed, fixed.params.top_k, fixed.params.stop) == (7, 0, ("a",))
