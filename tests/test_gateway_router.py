@@ -94,10 +94,11 @@ def test_keeps_last_known_workers_when_redis_goes_away(private_redis, caplog):
     async def body(router):
         await register(private_redis.url, worker("d1", "decode", 1.0),
                        worker("p1", "prefill", 2.0))
-        await router.start()
+        await router.refresh()
         private_redis.stop()
         with caplog.at_level(logging.WARNING, logger="gateway.router"):
-            await asyncio.sleep(0.5)  # several polls against a dead Redis
+            for _ in range(4):                  # the discovery loop's polls, one by one
+                await router.refresh()
         return router.counts()
 
     counts = asyncio.run(_with_router(private_redis.url, body))

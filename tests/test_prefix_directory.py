@@ -14,6 +14,7 @@ from gateway.router import Router
 from cluster.prefix_directory import (DirectoryPublisher, blocks_key, cached_prefix_blocks,
                                       seq_key)
 from tests.test_gateway_router import register, worker
+from tests.waiting import wait_until_async
 
 
 async def members(url: str, worker_id: str) -> set[int]:
@@ -73,7 +74,10 @@ def test_entries_of_a_silent_worker_expire(redis_url):
         pub = DirectoryPublisher(redis_url, "p9", deque([(STORED, 7)]), ttl_s=0.3)
         await pub.publish()
         present = await members(redis_url, "p9")
-        await asyncio.sleep(0.6)                               # no refresh: the TTL lapses
+
+        async def expired() -> bool:                           # no refresh: the TTL lapses
+            return not await members(redis_url, "p9")
+        await wait_until_async(expired, 10, "the entries' TTL to lapse", interval_s=0.05)
         gone = await members(redis_url, "p9")
         pub._task = None
         await pub._client.aclose()
