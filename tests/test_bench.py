@@ -111,7 +111,7 @@ def test_closed_loop_keeps_exactly_concurrency_in_flight():
         nonlocal in_flight, peak
         in_flight += 1
         peak = max(peak, in_flight)
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)               # the request's work: the others start meanwhile
         in_flight -= 1
         seen.append(p.text)
         return RequestResult(p.kind, 1, 1, ok=True)

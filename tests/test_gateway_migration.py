@@ -56,11 +56,11 @@ class FakeDecode(pb_grpc.DecodeWorkerServicer):
             reason = "length" if i == last and s.end == "finish" else ""
             reason = "abort" if i == last and s.end == "abort" else reason
             yield pb.DecodeEvent(tokens=pb.TokenBatch(token_ids=ids, finish_reason=reason))
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)               # a worker's pace between token batches
         if s.end == "unavailable":
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"Socket closed by {LEAK}")
         if s.end == "stall":
-            await asyncio.sleep(30)
+            await asyncio.sleep(30)                 # silent on purpose: the stall under test
 
 
 class FakePrefill(pb_grpc.PrefillWorkerServicer):

@@ -351,7 +351,7 @@ def test_a_torch_channel_stays_up_while_idle_longer_than_its_timeout():
                 await sender.send(rid, src, s, target(receiver, d), 3, None)
                 await asyncio.wait_for(sink.done.wait(), 10)
                 sink.done.clear()
-                await asyncio.sleep(idle)
+                await asyncio.sleep(idle)           # idle past the timeout: under test
             t0 = time.monotonic()
             await receiver.close()               # its channel's thread waits for a header
             closed_in = time.monotonic() - t0
@@ -377,7 +377,7 @@ def test_poll_until_waits_without_blocking_the_loop_and_times_out():
         async def tick():
             nonlocal ticks
             while True:
-                await asyncio.sleep(0.0005)
+                await asyncio.sleep(0.0005)          # the loop's pace, counted
                 ticks += 1
 
         ticker = asyncio.create_task(tick())
