@@ -156,8 +156,9 @@ class IncrementalDetokenizer:
     """Per-request incremental decoding of generated tokens.
 
     Contract: the deltas returned by `add()` followed by `flush()` concatenate to the text of all
-    added ids decoded together (special tokens skipped unless skip_special_tokens is false). Text that ends in U+FFFD (an incomplete
-    UTF-8 character spread over several tokens) is held back until it completes, or until flush().
+    added ids decoded together (special tokens skipped unless skip_special_tokens is false).
+    Text that ends in U+FFFD (an incomplete UTF-8 character spread over several tokens) is held
+    back until it completes, or until flush().
 
     Decoding works on a window `ids[prefix:]`: the text of `ids[prefix:read]` was already emitted,
     so the delta is what the window adds past it. Decoding a window rather than single tokens keeps
