@@ -139,4 +139,3 @@ class Choices:
     def resume_token_ids(self) -> tuple[int, ...]:
         """What a moved stream goes on after (n = 1: requests of n > 1 are not moved)."""
         return tuple(self.states[0].token_ids) if self.n == 1 else ()
-

@@ -78,7 +78,6 @@ class PipelineConfig:
             raise ValueError("max_migrations and stream_stall_timeout_s must be >= 0")
 
 
-
 class _LatencyTimer:
     """Feeds one request's TTFT, inter-token gaps and end-to-end time to the metrics (finish
     reasons per choice; the end-to-end time once, when its last choice ends)."""

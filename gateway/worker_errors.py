@@ -32,7 +32,7 @@ def scrub(text: str, workers: Iterable[WorkerInfo] = ()) -> str:
 
 
 def worker_error(what: str, worker: WorkerInfo, exc: grpc.aio.AioRpcError,
-                  known: Iterable[WorkerInfo] = ()) -> GatewayError:
+                 known: Iterable[WorkerInfo] = ()) -> GatewayError:
     """The client's error for a failed worker call: the worker's words for a bad request, else
     the role, the status and the worker's details scrubbed of ids and addresses."""
     code = exc.code()
@@ -64,4 +64,3 @@ def retry_after(exc: grpc.aio.AioRpcError, default: float = 1.0) -> float:
             except ValueError:
                 break
     return default
-

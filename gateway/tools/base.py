@@ -51,7 +51,6 @@ def plain(value: Any) -> Any:
     return dump(exclude_none=True) if callable(dump) else value
 
 
-
 @dataclass(frozen=True)
 class ToolCall:
     """One function call: `arguments` is JSON text (an object, `json.dumps` form)."""
@@ -92,7 +91,6 @@ def assemble(text: str, segments: list[str], calls: list[ToolCall]) -> ParsedOut
     return ParsedOutput(content or None, calls)
 
 
-
 def tool_names(tools: Iterable[Mapping] | None) -> frozenset[str] | None:
     if tools is None:
         return None
@@ -114,8 +112,6 @@ def arguments_value(arguments: Any) -> Any:
             return arguments
         return value if isinstance(value, dict) else arguments
     return arguments
-
-
 
 
 class ToolCallStreamer:
@@ -211,6 +207,7 @@ class ToolCallStreamer:
         """The output has ended: settle whatever is held."""
         raise NotImplementedError
 
+
 class ToolParser:
     """A `--tool-call-parser` output format: parsing plus the text forms the default rendering
     uses. `tools` (the request's tools) restricts valid names; None accepts any name;
@@ -246,5 +243,3 @@ class ToolParser:
     def response_text(cls, content: str, name: str | None) -> str:
         """How one tool result is shown to the model."""
         raise NotImplementedError
-
-

@@ -143,7 +143,7 @@ PAIRS_DECODER = json.JSONDecoder(object_pairs_hook=_pairs_hook)
 
 
 def call_fields(obj: Any, names: frozenset[str] | None,
-                 arg_keys: tuple[str, ...]) -> tuple[str, str] | None:
+                arg_keys: tuple[str, ...]) -> tuple[str, str] | None:
     """(name, arguments JSON text) of a decoded call object, or None when it is not a valid
     call: the same rules as CallReader."""
     if not isinstance(obj, _Pairs):
@@ -170,7 +170,7 @@ def call_fields(obj: Any, names: frozenset[str] | None,
 
 
 def decode_call(text: str, pos: int, names: frozenset[str] | None,
-                 arg_keys: tuple[str, ...]) -> tuple[ToolCall, int] | None:
+                arg_keys: tuple[str, ...]) -> tuple[ToolCall, int] | None:
     """The call object starting at text[pos] ("{") and where it ends, or None."""
     if not text.startswith("{", pos):
         return None
@@ -180,8 +180,6 @@ def decode_call(text: str, pos: int, names: frozenset[str] | None,
         return None
     got = call_fields(obj, names, arg_keys)
     return None if got is None else (ToolCall.new(*got), end)
-
-
 
 
 class ObjectCallMixin:
@@ -231,5 +229,3 @@ class ObjectCallMixin:
             self._args(self._lexer.raw_pending)
             return True
         return False
-
-

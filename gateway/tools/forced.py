@@ -120,7 +120,6 @@ def call_from_named(name: str, text: str) -> ToolCall:
     return ToolCall.new(name, dumps(value))
 
 
-
 class RequiredStreamer(ToolCallStreamer):
     """Streams `[{"name": ..., "parameters": {...}}, ...]` (the "required" constrained form).
     Text that cannot be read as calls (only when the output was cut short) is content while no
@@ -239,7 +238,6 @@ class NamedStreamer(ToolCallStreamer):
             self._args(self._lexer.raw_pending)
 
 
-
 class RequiredCallsParser:
     """Output parser for tool_choice="required" (constrained by `required_schema`). A whole
     output that does not parse (cut short) is returned as content."""
@@ -273,5 +271,3 @@ class NamedCallParser:
 
     def streamer(self) -> ToolCallStreamer:
         return NamedStreamer(self.name)
-
-

@@ -89,7 +89,6 @@ class HermesStreamer(ObjectCallMixin, ToolCallStreamer):
         self._hold = ""
 
 
-
 class HermesToolParser(ToolParser):
     name = "hermes"
     OPEN, CLOSE = HermesStreamer.OPEN, HermesStreamer.CLOSE
@@ -103,7 +102,7 @@ class HermesToolParser(ToolParser):
                 break
             current.append(text[pos:k])
             got = decode_call(text, skip_ws(text, k + len(self.OPEN)), self.names,
-                               ("arguments", "parameters"))
+                              ("arguments", "parameters"))
             if got is None:
                 current.append(self.OPEN)
                 pos = k + len(self.OPEN)
@@ -142,5 +141,3 @@ class HermesToolParser(ToolParser):
     @classmethod
     def response_text(cls, content: str, name: str | None) -> str:
         return f"<tool_response>\n{content}\n</tool_response>"
-
-

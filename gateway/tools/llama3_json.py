@@ -96,7 +96,6 @@ class Llama3Streamer(ObjectCallMixin, ToolCallStreamer):
         self._hold = self._since = ""
 
 
-
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     TAG = Llama3Streamer.TAG
@@ -146,5 +145,3 @@ class Llama3JsonToolParser(ToolParser):
     @classmethod
     def response_text(cls, content: str, name: str | None) -> str:
         return f"Function result ({name}): {content}" if name else f"Function result: {content}"
-
-

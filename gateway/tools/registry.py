@@ -24,5 +24,3 @@ def get_tool_parser(name: str, tools: Sequence[Mapping] | None = None,
         raise ValueError(f"unknown tool call parser {name!r}; choose one of "
                          f"{', '.join(TOOL_CALL_PARSERS)}") from None
     return cls(tools, max_calls)
-
-

@@ -159,5 +159,3 @@ def check_tools(tools: Sequence[Any] | None, tool_choice: Any = None,
         raise bad_request("tool calling is not enabled on this server: start the gateway with "
                           f"--tool-call-parser ({' or '.join(TOOL_CALL_PARSERS)})", "tools")
     return ToolPlan(mode, tuple(checked), function, parallel_tool_calls is not False, parser)
-
-
