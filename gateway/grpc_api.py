@@ -1,9 +1,9 @@
 """The public gRPC API: `pdserve.v1.Generation/Generate` (server streaming) and grpc.health.v1.
 
-Validation is the REST API's (params.RequestPreparer), mapped to status codes: INVALID_ARGUMENT
-for bad input (same messages; a message the proto parser refuses, e.g. a string that is not
-UTF-8, too), NOT_FOUND for an unknown model, UNAVAILABLE when no worker is registered or one is
-unreachable.
+Validation is the REST API's (params.GenerationParams.from_client, RequestPreparer), mapped
+to status codes: INVALID_ARGUMENT for bad input (same messages; a message the proto parser
+refuses, e.g. a string that is not UTF-8, too), NOT_FOUND for an unknown model, UNAVAILABLE
+when no worker is registered or one is unreachable.
 
 Proto3 scalars cannot be "unset", so in SamplingParams: temperature 0 means greedy (the default
 of an empty message), top_p 0 means 1 (off), top_k 0 means off; max_tokens must be set (>= 1);
