@@ -7,7 +7,9 @@ the operator doing anything. What it does not do is encrypt: on a network an att
 run the workers behind TLS or a private network (the gateway's own REST and gRPC have TLS).
 
 Where it comes from: `--cluster-token-file FILE` or the PDSERVE_CLUSTER_TOKEN environment
-variable (`pdserve up` sets it for its children). No token: the deployment is open, as before.
+variable (`pdserve up` sets it for its children), read once by a process's main
+(`ClusterAuth.from_sources`) and passed to what needs it: the worker's server, the gateway's
+router, the KV transports, the registry. No token: the deployment is open, as before.
 
 - Worker gRPC services (DecodeWorker, PrefillWorker, PushKV included) refuse calls without the
   token (UNAUTHENTICATED); the health service stays open.
@@ -24,6 +26,7 @@ import hashlib
 import hmac
 import os
 from pathlib import Path
+from types import MappingProxyType
 from typing import Iterable
 
 import grpc
@@ -31,8 +34,8 @@ import grpc
 ENV_VAR = "PDSERVE_CLUSTER_TOKEN"
 METADATA_KEY = "x-pdserve-cluster-token"
 PROTECTED_PREFIXES = ("/pdserve.v1.DecodeWorker/", "/pdserve.v1.PrefillWorker/")
-_STREAMING = {"/pdserve.v1.DecodeWorker/Decode": "unary_stream",
-              "/pdserve.v1.DecodeWorker/PushKV": "stream_unary"}
+_STREAMING = MappingProxyType({"/pdserve.v1.DecodeWorker/Decode": "unary_stream",
+                               "/pdserve.v1.DecodeWorker/PushKV": "stream_unary"})
 _SIGNATURE_CONTEXT = b"pdserve-registration-v1\n"
 # Keepalive on every channel of a deployment: a peer that vanishes without closing its TCP
 # connection (a killed host, a cut cable) is noticed within ~30 s instead of never. Servers
@@ -171,20 +174,3 @@ def _client_interceptors(extra) -> list:
 
     return [UnaryUnary(), UnaryStream(), StreamUnary()]
 
-
-_current: ClusterAuth | None = None
-
-
-def configure(file: str | None = None) -> ClusterAuth:
-    """Load the process's credential (call once at startup); `current()` returns it after."""
-    global _current
-    _current = ClusterAuth.from_sources(file)
-    return _current
-
-
-def current() -> ClusterAuth:
-    """The process's credential: what `configure` loaded, else the environment's."""
-    global _current
-    if _current is None:
-        _current = ClusterAuth.from_sources()
-    return _current

@@ -29,7 +29,7 @@ from typing import Iterable
 import redis.asyncio as aioredis
 
 from engine.block_hash import STORED
-from cluster.registry import RedisPeriodic
+from cluster.registry import RedisPeriodic, RedisSettings
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +68,9 @@ class DirectoryPublisher(RedisPeriodic):
     what = "prefix directory"
 
     def __init__(self, redis_url: str, worker_id: str, events: deque, ttl_s: float = 10.0,
-                 interval_s: float = 0.25, chunk: int = 4096) -> None:
-        super().__init__(redis_url, interval_s)
+                 interval_s: float = 0.25, chunk: int = 4096,
+                 redis_settings: RedisSettings = RedisSettings()) -> None:
+        super().__init__(redis_url, interval_s, redis_settings)
         self.worker_id = worker_id
         self.events = events
         self.ttl_ms = int(ttl_s * 1000)
@@ -170,5 +171,5 @@ async def directory_sizes(client: aioredis.Redis, worker_ids: Iterable[str]) -> 
         return dict(zip(ids, await pipe.execute()))
 
 
-__all__ = ["DirectoryPublisher", "cached_prefix_blocks", "directory_sizes", "blocks_key",
-           "seq_key"]
+__all__ = ("DirectoryPublisher", "cached_prefix_blocks", "directory_sizes", "blocks_key",
+           "seq_key")

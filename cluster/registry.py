@@ -15,8 +15,9 @@ clean shutdown). With a deployment token, entries whose signature does not verif
 a process that can write to Redis but does not hold the token cannot register a worker.
 
 Redis itself can take a password (the URL's, --redis-password-file or $PDSERVE_REDIS_PASSWORD)
-and TLS (`rediss://` URLs, --redis-ca-cert for a private CA): `connect()` applies them to every
-client; `redacted()` is the URL as logs show it. Torch-free: the gateway imports this.
+and TLS (`rediss://` URLs, --redis-ca-cert for a private CA): a process's main reads them once
+into a `RedisSettings`, which `connect()` applies to every client made with it; `redacted()` is
+the URL as logs show it. Torch-free: the gateway imports this.
 """
 
 from __future__ import annotations
@@ -26,14 +27,13 @@ import dataclasses
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 
 from cluster.auth import ClusterAuth
-from cluster.auth import current as cluster_auth
 
 log = logging.getLogger(__name__)
 
@@ -44,41 +44,43 @@ EXPIRES_FIELD = "expires_at"      # signed with the entry: after it, a copy of i
 CLOCK_SKEW_S = 30.0               # how far the gateway's clock may be behind a worker's
 PASSWORD_ENV = "PDSERVE_REDIS_PASSWORD"
 CA_CERT_ENV = "PDSERVE_REDIS_CA_CERT"
-_settings: dict = {}
 
 
-def configure_redis(password_file: str | None = None, ca_cert: str | None = None) -> None:
-    """The process's Redis credentials (call once at startup): a password from a file (else
-    $PDSERVE_REDIS_PASSWORD, else the URL's) and the CA that signs a `rediss://` server's
-    certificate (else $PDSERVE_REDIS_CA_CERT, else the system's)."""
-    _settings.clear()
-    password = os.environ.get(PASSWORD_ENV) or None
-    if password_file:
-        path = Path(password_file)
-        if not path.is_file():
-            raise SystemExit(f"--redis-password-file {password_file}: no such file")
-        password = path.read_text(encoding="utf-8").strip() or None
-    if password:
-        _settings["password"] = password
-    ca_cert = ca_cert or os.environ.get(CA_CERT_ENV)
-    if ca_cert:
-        if not Path(ca_cert).is_file():
+@dataclass(frozen=True)
+class RedisSettings:
+    """How a process reaches the deployment's Redis besides the URL: a password, used when the
+    URL has none, and the CA that signs a `rediss://` server's certificate (None: the system's).
+    """
+
+    password: str | None = field(default=None, repr=False)
+    ca_cert: str | None = None
+
+    @classmethod
+    def from_sources(cls, password_file: str | None = None,
+                     ca_cert: str | None = None) -> "RedisSettings":
+        """A password from a file (else $PDSERVE_REDIS_PASSWORD, else the URL's) and the CA
+        of a TLS server (else $PDSERVE_REDIS_CA_CERT, else the system's)."""
+        password = os.environ.get(PASSWORD_ENV) or None
+        if password_file:
+            path = Path(password_file)
+            if not path.is_file():
+                raise SystemExit(f"--redis-password-file {password_file}: no such file")
+            password = path.read_text(encoding="utf-8").strip() or None
+        ca_cert = ca_cert or os.environ.get(CA_CERT_ENV) or None
+        if ca_cert and not Path(ca_cert).is_file():
             raise SystemExit(f"--redis-ca-cert {ca_cert}: no such file")
-        _settings["ssl_ca_certs"] = ca_cert
-    _settings["configured"] = True
+        return cls(password, ca_cert)
 
 
-def connect(url: str, **kw) -> aioredis.Redis:
-    """An asyncio Redis client for `url` with the process's password and CA (configure_redis)."""
-    if not _settings:
-        configure_redis()
+def connect(url: str, settings: RedisSettings = RedisSettings(), **kw) -> aioredis.Redis:
+    """An asyncio Redis client for `url` with the password and CA of `settings`."""
     extra = {}
-    if "password" in _settings and not urlsplit(url).password:
-        extra["password"] = _settings["password"]
+    if settings.password and not urlsplit(url).password:
+        extra["password"] = settings.password
     if url.startswith("rediss://"):
         extra["ssl_check_hostname"] = True       # redis-py 5 does not check it by default
-        if "ssl_ca_certs" in _settings:
-            extra["ssl_ca_certs"] = _settings["ssl_ca_certs"]
+        if settings.ca_cert:
+            extra["ssl_ca_certs"] = settings.ca_cert
     return aioredis.from_url(url, **extra, **kw)
 
 
@@ -156,11 +158,13 @@ class RedisPeriodic:
 
     what = "redis"
 
-    def __init__(self, redis_url: str, interval_s: float) -> None:
+    def __init__(self, redis_url: str, interval_s: float,
+                 redis_settings: RedisSettings = RedisSettings()) -> None:
         self.redis_url = redis_url
         self.interval_s = interval_s
         self._task: asyncio.Task | None = None
-        self._client = connect(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._client = connect(redis_url, redis_settings, socket_timeout=2.0,
+                               socket_connect_timeout=2.0)
 
     async def tick(self) -> None:
         raise NotImplementedError
@@ -201,17 +205,19 @@ class WorkerRegistration(RedisPeriodic):
     """Keeps one worker's registration alive: call start(), then stop() on shutdown.
 
     `load` is a zero-argument callable returning (running, waiting, free_blocks); it is read at
-    every heartbeat. Each beat writes the entry signed with the deployment token (`auth`).
+    every heartbeat. Each beat writes the entry signed with the deployment token (`auth`; None:
+    unsigned, an open deployment).
     """
 
     what = "worker registration"
 
     def __init__(self, redis_url: str, info: WorkerInfo, load=None, ttl_s: float = 10.0,
-                 interval_s: float = 2.0, auth: ClusterAuth | None = None) -> None:
+                 interval_s: float = 2.0, auth: ClusterAuth | None = None,
+                 redis_settings: RedisSettings = RedisSettings()) -> None:
         if interval_s >= ttl_s:
             raise ValueError("heartbeat interval must be shorter than the TTL")
-        super().__init__(redis_url, interval_s)
-        self.auth = auth or cluster_auth()
+        super().__init__(redis_url, interval_s, redis_settings)
+        self.auth = auth or ClusterAuth()
         self.info = info
         self.load = load
         self.ttl_s = ttl_s
@@ -242,12 +248,10 @@ class WorkerRegistration(RedisPeriodic):
     tick = beat
 
 
-_refused_unsigned: set[tuple[str, str]] = set()
-
-
-def _signed(key: str, raw: dict, auth: ClusterAuth) -> bool:
+def _signed(key: str, raw: dict, auth: ClusterAuth, warned: set[tuple[str, str]]) -> bool:
     """The entry at `key` carries this deployment's signature of its fields, its key and an
-    expiry not past (beyond CLOCK_SKEW_S); always True without a token."""
+    expiry not past (beyond CLOCK_SKEW_S); always True without a token. A refusal is logged
+    once per (worker, reason) in `warned`, the caller's record of those already logged."""
     if not auth.enabled:
         return True
     fields = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes)
@@ -266,18 +270,22 @@ def _signed(key: str, raw: dict, auth: ClusterAuth) -> bool:
     if why is None:
         return True
     wid = fields.get("id", "?")
-    if (wid, why) not in _refused_unsigned:
-        _refused_unsigned.add((wid, why))
+    if (wid, why) not in warned:
+        warned.add((wid, why))
         log.warning("ignoring the registration of %r (%r at %r): %s", wid, fields.get("role"),
                     fields.get("address"), why)
     return False
 
 
 async def list_workers(client: aioredis.Redis, role: str | None = None,
-                       auth: ClusterAuth | None = None) -> list[WorkerInfo]:
-    """All live workers (optionally of one role) whose entries carry a valid signature (`auth`:
-    the process's deployment token by default), sorted by id."""
-    auth = auth or cluster_auth()
+                       auth: ClusterAuth | None = None,
+                       warned: set[tuple[str, str]] | None = None) -> list[WorkerInfo]:
+    """All live workers (optionally of one role) whose entries carry a valid signature with
+    the deployment token `auth` (None: an open deployment, every entry), sorted by id.
+    `warned`: the (worker, reason) refusals already logged, kept by a caller that lists again
+    and again so that each is logged once (None: log every refusal of this call)."""
+    auth = auth or ClusterAuth()
+    warned = set() if warned is None else warned
     keys = [k async for k in client.scan_iter(match=KEY_PREFIX + "*", count=100)]
     if not keys:
         return []
@@ -288,7 +296,7 @@ async def list_workers(client: aioredis.Redis, role: str | None = None,
     out = []
     for key, raw in zip(keys, raws):
         key = key.decode() if isinstance(key, bytes) else key
-        if not raw or not _signed(key, raw, auth):
+        if not raw or not _signed(key, raw, auth, warned):
             continue
         try:
             w = WorkerInfo.from_redis(raw)

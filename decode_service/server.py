@@ -17,6 +17,7 @@ from engine.request import RequestOutput
 from kvtransfer import TransferTarget, create_receiver
 from kvtransfer.connector import EngineSink
 from kvtransfer.wire import logprob_to_pb, target_to_pb
+from cluster.auth import ClusterAuth
 from cluster.metrics import WorkerMetrics
 from serving.params import request_from_pb
 from serving.worker import (ADMISSION_ERRORS, Grammars, WorkerIdentity, output_error_code, refuse,
@@ -43,11 +44,13 @@ def _token_batches(outs: list[RequestOutput]) -> list[pb.TokenBatch]:
 
 class DecodeServicer(pb_grpc.DecodeWorkerServicer):
     """`timeout_s`: how long a reservation may wait for its KV; then `on_timeout` decides:
-    "fail" ends the request with an error, "recompute" computes the prompt on this worker."""
+    "fail" ends the request with an error, "recompute" computes the prompt on this worker.
+    `auth`: the deployment token senders must hold (None: an open deployment)."""
 
     def __init__(self, aengine: AsyncEngine, ident: WorkerIdentity, transport: str,
                  metrics: WorkerMetrics, timeout_s: float = 300.0,
-                 on_timeout: str = "fail", checksum: bool = True) -> None:
+                 on_timeout: str = "fail", checksum: bool = True,
+                 auth: ClusterAuth | None = None) -> None:
         if on_timeout not in ("fail", "recompute"):
             raise ValueError(f"on_timeout must be 'fail' or 'recompute', got {on_timeout!r}")
         self.aengine = aengine
@@ -57,7 +60,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         # the torch transport's store and collectives are held to the transfer timeout too
         kw = {"timeout_s": timeout_s} if transport == "torch" else {}
         self.receiver = create_receiver(transport, self.sink, address=ident.address,
-                                        checksum=checksum, **kw)
+                                        checksum=checksum, auth=auth, **kw)
         aengine.configure_loads(self.receiver.one_sided, timeout_s, self.receiver.lease_s,
                                 on_timeout=self._timed_out)   # before any request reserves
         self.timeout_s = timeout_s
@@ -171,10 +174,10 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
 
 
 def main(args) -> int:
-    def add(server, aengine, ident, metrics):
+    def add(server, aengine, ident, metrics, auth):
         servicer = DecodeServicer(aengine, ident, args.kv_transport, metrics,
                                   args.kv_transfer_timeout, args.kv_load_failure,
-                                  args.kv_checksum == "on")
+                                  args.kv_checksum == "on", auth)
         pb_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
         return servicer
 

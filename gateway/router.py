@@ -41,9 +41,10 @@ import redis.asyncio as aioredis
 
 from engine.block_hash import BlockHasher, salt_bytes
 from gateway.errors import GatewayError
-from cluster import auth as cluster_auth
+from cluster.auth import ClusterAuth
 from cluster.prefix_directory import cached_prefix_blocks, directory_sizes
-from cluster.registry import ROLES, WorkerInfo, cancel_task, connect, list_workers, redacted
+from cluster.registry import (ROLES, RedisSettings, WorkerInfo, cancel_task, connect, list_workers,
+                              redacted)
 
 log = logging.getLogger(__name__)
 
@@ -100,20 +101,27 @@ class Router:
 
     Use: `await start()` in the serving loop, `route()` + `track()` per request,
     `await stop()` at shutdown. `refresh()` runs one poll (tests call it directly).
+    `auth`: the deployment token its channels carry and registrations must be signed with
+    (None: an open deployment); `redis_settings`: the Redis password and CA.
     """
 
     def __init__(self, redis_url: str, poll_s: float = 0.5, routing: str = "prefix",
-                 metrics=None, expected_shape: tuple[int, int, int] | None = None) -> None:
+                 metrics=None, expected_shape: tuple[int, int, int] | None = None,
+                 auth: ClusterAuth | None = None,
+                 redis_settings: RedisSettings = RedisSettings()) -> None:
         if routing not in ROUTING:
             raise ValueError(f"routing must be one of {ROUTING}, got {routing!r}")
+        self.auth = auth or ClusterAuth()
         self.redis_url = redis_url
         self.poll_s = poll_s
         self.routing = routing
         self.metrics = metrics                     # GatewayMetrics: directory sizes
         self.expected_shape = expected_shape       # the gateway's model's KV shape
-        self._redis = connect(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._redis = connect(redis_url, redis_settings, socket_timeout=2.0,
+                              socket_connect_timeout=2.0)
         # directory lookups are on the request path: short timeouts, a pause after a failure
-        self._directory = connect(redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        self._directory = connect(redis_url, redis_settings, socket_timeout=0.5,
+                                  socket_connect_timeout=0.5)
         self._directory_down_until = 0.0
         self._reference: WorkerInfo | None = None
         self._queued_tokens: dict[str, int] = {}   # prefill worker id -> uncached tokens queued
@@ -123,6 +131,7 @@ class Router:
         self._workers: dict[str, list[WorkerInfo]] = {role: [] for role in ROLES}
         self._refused: dict[str, WorkerInfo] = {}
         self._warned: set[tuple] = set()
+        self._unsigned: set[tuple[str, str]] = set()   # refused registrations already logged
         self._in_flight: dict[str, int] = {}       # worker id -> requests in flight
         self._busy_addresses: dict[str, int] = {}  # address -> requests in flight
         self._turn: dict[str, int] = {role: 0 for role in ROLES}
@@ -135,7 +144,7 @@ class Router:
     async def refresh(self) -> None:
         """One poll of the registry. Keeps the previous list when Redis cannot be read."""
         try:
-            workers = await list_workers(self._redis)
+            workers = await list_workers(self._redis, auth=self.auth, warned=self._unsigned)
         except (aioredis.RedisError, OSError) as exc:
             if not self._redis_down:
                 log.warning("cannot read workers from redis at %s (%s); keeping the last known "
@@ -354,7 +363,7 @@ class Router:
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = cluster_auth.current().channel(address, CHANNEL_OPTIONS)
+            ch = self.auth.channel(address, CHANNEL_OPTIONS)
             self._channels[address] = ch
         return ch
 

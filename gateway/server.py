@@ -27,10 +27,10 @@ from gateway.params import RequestPreparer, ServedModel
 from gateway.pipeline import Pipeline, PipelineConfig
 from gateway.router import CHANNEL_OPTIONS, Router
 from gateway.tokenizer import Tokenizer
-from cluster import auth as cluster_auth
+from cluster.auth import SERVER_KEEPALIVE, ClusterAuth
 from cluster.metrics import GatewayMetrics
 from cluster.paths import resolve_model
-from cluster.registry import configure_redis, redacted
+from cluster.registry import RedisSettings, redacted
 
 log = logging.getLogger(__name__)
 
@@ -73,17 +73,18 @@ async def serve(args: argparse.Namespace) -> None:
                           args.max_tokens_default, args.tool_call_parser)
     preparer = RequestPreparer(Tokenizer(model_dir), served)
     metrics = GatewayMetrics()
-    auth = cluster_auth.configure(getattr(args, "cluster_token_file", None))
-    configure_redis(getattr(args, "redis_password_file", None),
-                    getattr(args, "redis_ca_cert", None))
+    auth = ClusterAuth.from_sources(getattr(args, "cluster_token_file", None))
+    redis_settings = RedisSettings.from_sources(getattr(args, "redis_password_file", None),
+                                                getattr(args, "redis_ca_cert", None))
     router = Router(args.redis_url, routing=args.routing, metrics=metrics,
-                    expected_shape=kv_shape(model_dir))
+                    expected_shape=kv_shape(model_dir), auth=auth,
+                    redis_settings=redis_settings)
     pipeline = Pipeline(router, preparer.tokenizer, _pipeline_config(args), metrics)
 
     keys = ApiKeys.from_sources(getattr(args, "api_key", None),
                                 getattr(args, "api_key_file", None))
     tls = _tls(args)
-    grpc_server = grpc.aio.server(options=[*CHANNEL_OPTIONS, *cluster_auth.SERVER_KEEPALIVE],
+    grpc_server = grpc.aio.server(options=[*CHANNEL_OPTIONS, *SERVER_KEEPALIVE],
                                   interceptors=[AuthInterceptor(keys)])
     admission = InFlight(getattr(args, "max_in_flight", DEFAULT_MAX_IN_FLIGHT), metrics)
     health = await add_services(grpc_server, preparer, pipeline, admission)

@@ -43,6 +43,7 @@ import torch
 from engine.config import DTYPES
 from engine.kv_layout import KVLayout
 from engine.request import TokenLogprob
+from cluster.auth import ClusterAuth
 
 
 class KVTransferError(RuntimeError):
@@ -256,10 +257,13 @@ def _load(name: str, which: int):
 
 
 def create_sender(name: str, layout: KVLayout, run_on_pool: Callable | None = None,
-                  **kw) -> KVSender:
-    """The sender of transport `name`; `run_on_pool` as in KVSender."""
-    return _load(name, 0)(layout=layout, run_on_pool=run_on_pool, **kw)
+                  auth: ClusterAuth | None = None, **kw) -> KVSender:
+    """The sender of transport `name`; `run_on_pool` as in KVSender; `auth`: the deployment
+    token its connections carry (None: an open deployment)."""
+    return _load(name, 0)(layout=layout, run_on_pool=run_on_pool, auth=auth, **kw)
 
 
-def create_receiver(name: str, sink: KVSink, **kw) -> KVReceiver:
-    return _load(name, 1)(sink=sink, **kw)
+def create_receiver(name: str, sink: KVSink, auth: ClusterAuth | None = None,
+                    **kw) -> KVReceiver:
+    """The receiver of transport `name`; `auth`: the deployment token senders must hold."""
+    return _load(name, 1)(sink=sink, auth=auth, **kw)

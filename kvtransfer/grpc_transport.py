@@ -42,7 +42,7 @@ from kvtransfer.integrity import Intake, Refused, checksums
 from kvtransfer.staging import Gathered, HostStaging
 from kvtransfer.wire import (chunk_bytes, completion_chunk, first_logprob_of, layout_from_pb,
                              layout_to_pb, tensor_from_bytes)
-from cluster import auth as cluster_auth
+from cluster.auth import ClusterAuth
 from proto import pdserve_pb2 as pb
 
 MAX_MESSAGE = 256 << 20
@@ -147,14 +147,15 @@ class GrpcKVSender(KVSender):
 
     def __init__(self, layout: KVLayout, kv: torch.Tensor | None = None,
                  blocks_per_message: int = 16, timeout_s: float = 600.0,
-                 checksum: bool = True, run_on_pool: Callable[..., Awaitable] | None = None
-                 ) -> None:
+                 checksum: bool = True, run_on_pool: Callable[..., Awaitable] | None = None,
+                 auth: ClusterAuth | None = None) -> None:
         """kv: the pool blocks will be sent from (its device picks the staging memory);
-        checksum: send the blocks' checksums (--kv-checksum); run_on_pool: KVSender's."""
+        checksum: send the blocks' checksums (--kv-checksum); run_on_pool: KVSender's; auth:
+        the deployment token its channels carry (None: an open deployment)."""
         super().__init__(run_on_pool)
         self.layout = layout
         self.checksum = checksum
-        self.auth = cluster_auth.current()
+        self.auth = auth or ClusterAuth()
         self._staging: dict[torch.device, HostStaging] = {}
         if kv is not None:
             self.staging(kv.device)
@@ -191,11 +192,15 @@ class GrpcKVSender(KVSender):
 
 class GrpcKVReceiver(KVReceiver):
     """Serves the body of DecodeWorker.PushKV; the decode servicer delegates to `push_kv`.
-    checksum: require the senders' checksums and verify them (--kv-checksum)."""
+    checksum: require the senders' checksums and verify them (--kv-checksum). The token of
+    `auth` is checked by the server PushKV runs on (`auth.server_interceptors()`), before a
+    message reaches this receiver."""
 
     name = "grpc"
 
-    def __init__(self, sink: KVSink, address: str, checksum: bool = True) -> None:
+    def __init__(self, sink: KVSink, address: str, checksum: bool = True,
+                 auth: ClusterAuth | None = None) -> None:
+        self.auth = auth or ClusterAuth()
         self.sink = sink
         self._address = address
         self.intake = Intake(sink, checksum)

@@ -16,7 +16,6 @@ from engine.request import TokenLogprob
 from kvtransfer.base import KVReceiver, create_receiver
 from kvtransfer.connector import mismatch
 from kvtransfer.staging import HostStaging
-from cluster import auth as cluster_auth
 from proto import pdserve_pb2_grpc as pb_grpc
 
 
@@ -92,12 +91,13 @@ class _PushKVOnly(pb_grpc.DecodeWorkerServicer):
 @contextlib.asynccontextmanager
 async def receiving(name: str, sink: MemorySink, address: str, **kw):
     """A receiver of transport `name` for `sink` (with a PushKV server at `address` for grpc,
-    which checks the deployment token as the workers' servers do); kw: the receiver's options."""
+    which checks the receiver's deployment token as the workers' servers do); kw: the
+    receiver's options (`auth`: the token, None: open)."""
     receiver: KVReceiver = create_receiver(name, sink, address=address, **kw)
     server = None
     if name == "grpc":
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20)],
-                                 interceptors=cluster_auth.current().server_interceptors())
+                                 interceptors=receiver.auth.server_interceptors())
         pb_grpc.add_DecodeWorkerServicer_to_server(_PushKVOnly(receiver), server)
         server.add_insecure_port(address)
         await server.start()

@@ -55,7 +55,7 @@ from kvtransfer.base import (KVReceiver, KVSender, KVSendStream, KVSink, KVTrans
 from kvtransfer.integrity import Intake, Refused, block_checksums, host_values
 from kvtransfer.wire import (chunk_from_bytes, completion_chunk, first_logprob_of,
                              layout_from_pb, notice_fields)
-from cluster import auth as cluster_auth
+from cluster.auth import ClusterAuth
 from proto import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -266,15 +266,17 @@ class NixlKVSender(KVSender):
 
     def __init__(self, layout: KVLayout, kv: torch.Tensor, progress_thread: bool = False,
                  timeout_s: float = 60.0, checksum: bool = True,
-                 run_on_pool: Callable[..., Awaitable] | None = None) -> None:
+                 run_on_pool: Callable[..., Awaitable] | None = None,
+                 auth: ClusterAuth | None = None) -> None:
         """checksum: put the blocks' checksums in the completion notice (--kv-checksum);
-        run_on_pool: KVSender's."""
+        run_on_pool: KVSender's; auth: the deployment token completion notices are signed
+        with (None: unsigned, an open deployment)."""
         super().__init__(run_on_pool)
         self.layout = layout
         self.kv = kv
         self.timeout_s = timeout_s
         self.checksum = checksum
-        self.auth = cluster_auth.current()
+        self.auth = auth or ClusterAuth()
         self.side = torch.cuda.Stream(kv.device) if kv.is_cuda else None
         self.agent = _agent(f"pdserve-prefill-{os.getpid()}-{id(self):x}", progress_thread)
         self._registration = self.agent.register_memory(kv)
@@ -363,17 +365,19 @@ class NixlKVSender(KVSender):
 
 class NixlKVReceiver(KVReceiver):
     """Registers the decode worker's pool; completes requests from NIXL notifications.
-    checksum: require the senders' checksums and verify them on the pool (--kv-checksum)."""
+    checksum: require the senders' checksums and verify them on the pool (--kv-checksum);
+    auth: the deployment token notices must be signed with (None: an open deployment)."""
 
     name = "nixl"
 
     def __init__(self, sink: KVSink, address: str, progress_thread: bool = False,
-                 lease_s: float = 60.0, checksum: bool = True) -> None:
+                 lease_s: float = 60.0, checksum: bool = True,
+                 auth: ClusterAuth | None = None) -> None:
         self.sink = sink
         self._address = address
         self.lease_s = lease_s
         self.intake = Intake(sink, checksum)
-        self.auth = cluster_auth.current()
+        self.auth = auth or ClusterAuth()
         kv = sink.pool
         self.agent_name = f"pdserve-decode-{address}-{os.getpid()}"
         self.agent = _agent(self.agent_name, progress_thread)

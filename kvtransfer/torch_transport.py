@@ -76,7 +76,7 @@ from kvtransfer.base import (KVReceiver, KVSender, KVSendStream, KVSink, KVTrans
 from kvtransfer.integrity import Intake, Refused, checksums
 from kvtransfer.staging import host_to_device, recorded, use_own_stream, wait_for
 from kvtransfer.wire import completion_chunk, first_logprob_of, layout_from_pb, layout_to_pb
-from cluster import auth as cluster_auth
+from cluster.auth import ClusterAuth
 from proto import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ class _Channel:
     """Prefill side of one pair's groups: a single thread sends, so messages stay whole."""
 
     def __init__(self, address: str, sender_id: str, layout: KVLayout, device: torch.device,
-                 timeout_s: float, checksum: bool, auth: cluster_auth.ClusterAuth):
+                 timeout_s: float, checksum: bool, auth: ClusterAuth):
         self.address = address
         self.sender_id = sender_id
         self.device = device
@@ -320,15 +320,16 @@ class TorchKVSender(KVSender):
     name = "torch"
 
     def __init__(self, layout: KVLayout, kv: torch.Tensor, timeout_s: float = 30.0,
-                 checksum: bool = True, run_on_pool: Callable[..., Awaitable] | None = None
-                 ) -> None:
-        """checksum: send the blocks' checksums (--kv-checksum); run_on_pool: KVSender's."""
+                 checksum: bool = True, run_on_pool: Callable[..., Awaitable] | None = None,
+                 auth: ClusterAuth | None = None) -> None:
+        """checksum: send the blocks' checksums (--kv-checksum); run_on_pool: KVSender's;
+        auth: the deployment token its channels announce themselves with (None: open)."""
         super().__init__(run_on_pool)
         self.layout = layout
         self.device = kv.device
         self.timeout_s = timeout_s
         self.checksum = checksum
-        self.auth = cluster_auth.current()
+        self.auth = auth or ClusterAuth()
         self.id = f"{socket.gethostname()}-{os.getpid()}-{id(self):x}"
         self._channels: dict[str, _Channel] = {}
 
@@ -357,17 +358,18 @@ class TorchKVSender(KVSender):
 
 class TorchKVReceiver(KVReceiver):
     """Owns the TCPStore senders meet at; one receive thread per channel. checksum: require
-    the senders' checksums and verify them (--kv-checksum)."""
+    the senders' checksums and verify them (--kv-checksum); auth: the deployment token a
+    channel must announce itself with (None: an open deployment)."""
 
     name = "torch"
 
     def __init__(self, sink: KVSink, address: str, timeout_s: float = 30.0,
-                 checksum: bool = True) -> None:
+                 checksum: bool = True, auth: ClusterAuth | None = None) -> None:
         self.sink = sink
         self.timeout_s = timeout_s
         self.intake = Intake(sink, checksum)
         self.block_bytes = block_bytes(sink.layout)
-        self.auth = cluster_auth.current()
+        self.auth = auth or ClusterAuth()
         self.loop = asyncio.get_running_loop()
         host = address.rsplit(":", 1)[0]
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,

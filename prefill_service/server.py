@@ -22,6 +22,7 @@ from engine.async_engine import AsyncEngine
 from kvtransfer import (KVTransferError, LayoutMismatch, block_bytes, check_layout,
                         create_sender)
 from kvtransfer.wire import target_from_pb
+from cluster.auth import ClusterAuth
 from cluster.metrics import WorkerMetrics
 from serving.params import request_from_pb
 from serving.worker import (ADMISSION_ERRORS, Grammars, WorkerIdentity, output_error_code, refuse,
@@ -35,8 +36,9 @@ log = logging.getLogger(__name__)
 class PrefillServicer(pb_grpc.PrefillWorkerServicer):
     def __init__(self, aengine: AsyncEngine, ident: WorkerIdentity, transport: str,
                  metrics: WorkerMetrics, timeout_s: float = 30.0,
-                 checksum: bool = True) -> None:
-        """checksum: send the checksums of the blocks (--kv-checksum)."""
+                 checksum: bool = True, auth: ClusterAuth | None = None) -> None:
+        """checksum: send the checksums of the blocks (--kv-checksum); auth: the deployment
+        token the sender's connections carry (None: an open deployment)."""
         self.aengine = aengine
         self.ident = ident
         self.layout = aengine.engine.layout
@@ -44,12 +46,14 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         # the sender reads the pool (gathers, checksums) on the engine thread, between steps
         self.sender = create_sender(transport, self.layout, run_on_pool=aengine.run,
                                     kv=aengine.engine.kv, timeout_s=timeout_s,
-                                    checksum=checksum)
+                                    checksum=checksum, auth=auth)
         self.transfers = metrics.transfers(transport)
         self.grammars = Grammars(aengine.engine)
         self._cancelled: set[str] = set()      # ended by an Abort call: CANCELLED
 
-    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
+    async def _accept(self, request: pb.PrefillRequest, context):
+        """The call's destination and engine request, or the call ends with the status that
+        says what is wrong with it."""
         rid = request.request_id
         try:
             target = target_from_pb(request.destination)
@@ -72,6 +76,11 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"the prompt needs {num_blocks} KV blocks; the destination has "
                                 f"{len(target.block_ids)}")
+        return target, req
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
+        rid = request.request_id
+        target, req = await self._accept(request, context)
         t0 = time.perf_counter()
         queue = stream = None
         done = False
@@ -81,35 +90,19 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             except ADMISSION_ERRORS as exc:
                 await refuse(context, exc)
             stream = self.sender.open(rid, self.aengine.engine.kv, target)
-            sent = 0
-            t_send = None
-            while True:                # each chunk's blocks go while the next chunk computes
-                out = await queue.get()
-                if out.error:
-                    code = (grpc.StatusCode.CANCELLED if rid in self._cancelled
-                            else output_error_code(self.aengine))
-                    await context.abort(code, out.error)
-                blocks = out.kv_blocks or []       # held for us by the engine's connector
-                skip = min(max(target.num_cached_blocks - sent, 0), len(blocks))
-                src, dst = blocks[skip:], list(target.block_ids[sent + skip:sent + len(blocks)])
-                sent += len(blocks)
-                if t_send is None and src:
-                    t_send = time.perf_counter()
-                if out.finished:
-                    t1 = time.perf_counter()
-                    lp = out.new_logprobs[0] if out.new_logprobs else None
-                    await stream.finish(out.new_token_ids[0], lp, src, dst, out.kv_ready)
-                    done = True
-                    t2 = time.perf_counter()
-                    moved = sent - target.num_cached_blocks
-                    self.transfers.done(moved, self.block_bytes, t2 - (t_send or t1))
-                    log.info("request %s: %d prompt tokens (%d cached here) prefilled in "
-                             "%.3f s; %d blocks sent to %s, %.3f s of transfer after the "
-                             "last chunk", rid, req.num_prompt_tokens, req.num_cached_tokens,
-                             t1 - t0, moved, target.engine_id, t2 - t1)
-                    break
-                if src:
-                    await stream.send(src, dst, out.kv_ready)
+            out, src, dst, sent, t_send = await self._send_chunks(rid, queue, stream, target,
+                                                                  context)
+            t1 = time.perf_counter()
+            lp = out.new_logprobs[0] if out.new_logprobs else None
+            await stream.finish(out.new_token_ids[0], lp, src, dst, out.kv_ready)
+            done = True
+            t2 = time.perf_counter()
+            moved = sent - target.num_cached_blocks
+            self.transfers.done(moved, self.block_bytes, t2 - (t_send or t1))
+            log.info("request %s: %d prompt tokens (%d cached here) prefilled in %.3f s; %d "
+                     "blocks sent to %s, %.3f s of transfer after the last chunk", rid,
+                     req.num_prompt_tokens, req.num_cached_tokens, t1 - t0, moved,
+                     target.engine_id, t2 - t1)
         except KVTransferError as exc:
             self.transfers.failed("send")
             await context.abort(grpc.StatusCode.ABORTED, str(exc))
@@ -129,6 +122,29 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                                num_cached_tokens=req.num_cached_tokens,
                                num_blocks_sent=moved)
 
+    async def _send_chunks(self, rid: str, queue, stream, target, context):
+        """Each chunk's blocks go while the next chunk computes, until the output that finishes
+        the prefill; -> (that output, its blocks still to send and their destinations, the
+        blocks counted so far (cached ones included), when the first block went or None)."""
+        sent = 0
+        t_send = None
+        while True:
+            out = await queue.get()
+            if out.error:
+                code = (grpc.StatusCode.CANCELLED if rid in self._cancelled
+                        else output_error_code(self.aengine))
+                await context.abort(code, out.error)
+            blocks = out.kv_blocks or []           # held for us by the engine's connector
+            skip = min(max(target.num_cached_blocks - sent, 0), len(blocks))
+            src, dst = blocks[skip:], list(target.block_ids[sent + skip:sent + len(blocks)])
+            sent += len(blocks)
+            if t_send is None and src:
+                t_send = time.perf_counter()
+            if out.finished:
+                return out, src, dst, sent, t_send
+            if src:
+                await stream.send(src, dst, out.kv_ready)
+
     async def Abort(self, request: pb.AbortRequest, context):
         rid = request.request_id
         self._cancelled.add(rid)
@@ -145,9 +161,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
 
 
 def main(args) -> int:
-    def add(server, aengine, ident, metrics):
+    def add(server, aengine, ident, metrics, auth):
         servicer = PrefillServicer(aengine, ident, args.kv_transport, metrics,
-                                   args.kv_transfer_timeout, args.kv_checksum == "on")
+                                   args.kv_transfer_timeout, args.kv_checksum == "on", auth)
         pb_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
         return servicer
 

@@ -17,17 +17,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.async_engine import EngineDead, Overloaded
-from cluster import auth as cluster_auth
+from cluster.auth import SERVER_KEEPALIVE, ClusterAuth
 from cluster.paths import resolve_model
 from cluster.prefix_directory import DirectoryPublisher
-from cluster.registry import WorkerInfo, WorkerRegistration, configure_redis
+from cluster.registry import RedisSettings, WorkerInfo, WorkerRegistration
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE = 256 << 20
 SERVER_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE),
                   ("grpc.max_receive_message_length", MAX_MESSAGE),
-                  ("grpc.so_reuseport", 0), *cluster_auth.SERVER_KEEPALIVE]
+                  ("grpc.so_reuseport", 0), *SERVER_KEEPALIVE]
 
 
 def resolve_device_defaults(args) -> dict:
@@ -174,16 +174,17 @@ def worker_stats(aengine):
 async def serve(args, role: str, add_services: Callable) -> None:
     """Run one worker until SIGINT/SIGTERM.
 
-    add_services(server, async_engine, identity, metrics) registers the role's servicers and
-    returns an object with an async `close()` (or None).
+    add_services(server, async_engine, identity, metrics, auth) registers the role's servicers
+    (auth: the deployment token, which their KV transports carry or check) and returns an object
+    with an async `close()` (or None). The token and the Redis settings are read here, once,
+    from the flags (else the environment). One function because its order is the contract:
+    serving before registering, leaving the registry before the server and the engine stop.
     """
     from engine.async_engine import AsyncEngine
 
-    from cluster.metrics import WorkerMetrics
-
-    auth = cluster_auth.configure(getattr(args, "cluster_token_file", None))
-    configure_redis(getattr(args, "redis_password_file", None),
-                    getattr(args, "redis_ca_cert", None))
+    auth = ClusterAuth.from_sources(getattr(args, "cluster_token_file", None))
+    redis_settings = RedisSettings.from_sources(getattr(args, "redis_password_file", None),
+                                                getattr(args, "redis_ca_cert", None))
     engine, model_dir = build_engine(args, role)
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=auth.server_interceptors())
     port = server.add_insecure_port(f"{args.host}:{args.port}")
@@ -192,12 +193,7 @@ async def serve(args, role: str, add_services: Callable) -> None:
     host = args.advertise_host or args.host
     ident = WorkerIdentity(args.worker_id or f"{role}-{host}-{port}", f"{host}:{port}",
                            args.served_model_name or model_dir.name)
-    kvm = engine.kv_manager
-    prefix = (lambda: (kvm.query_tokens, kvm.hit_tokens, kvm.pool.num_cached,
-                       kvm.pool.evictions)) if kvm.hasher is not None else None
-    metrics = WorkerMetrics(role, ident.id, engine.pool.num_blocks, lambda: aengine.load(), prefix,
-                            spec=engine.proposer.name if engine.proposer is not None else None,
-                            transfer_refs=engine.connector.references)
+    metrics = _worker_metrics(role, ident, engine, lambda: aengine.load())
     duties: list = []             # what keeps this worker in the registry, once started
 
     def on_death(reason: str) -> None:
@@ -221,21 +217,11 @@ async def serve(args, role: str, add_services: Callable) -> None:
         metrics.serve(args.host, metrics_port)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    closer = add_services(server, aengine, ident, metrics)
+    closer = add_services(server, aengine, ident, metrics, auth)
     await server.start()
 
-    lay = engine.layout
-    info = WorkerInfo(id=ident.id, role=role, address=ident.address, model=ident.served_model,
-                      block_size=lay.block_size, hash_seed=engine.cfg.hash_seed, dtype=lay.dtype,
-                      num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
-                      head_dim=lay.head_dim, total_blocks=engine.pool.num_blocks,
-                      tensor_parallel_size=lay.tensor_parallel_size, started_at=time.time())
-    reg = WorkerRegistration(args.redis_url, info, load=aengine.load)
-    publisher = None
-    if kvm.hasher is not None:
-        publisher = DirectoryPublisher(args.redis_url, ident.id, engine.pool.events, reg.ttl_s)
     if aengine.dead is None:
-        duties += [d for d in (reg, publisher) if d is not None]
+        duties += _registry_duties(args.redis_url, role, ident, aengine, auth, redis_settings)
         for duty in duties:
             duty.start()
         await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
@@ -243,10 +229,7 @@ async def serve(args, role: str, add_services: Callable) -> None:
              ident.address, "deployment token required" if auth.enabled else
              "no deployment token: open to anyone who reaches it", args.host, metrics_port)
 
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await _until_signal(loop)
     log.info("%s worker %s stopping", role, ident.id)
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
     for duty in duties:
@@ -255,6 +238,43 @@ async def serve(args, role: str, add_services: Callable) -> None:
     if closer is not None:
         await closer.close()
     aengine.stop()
+
+
+def _worker_metrics(role: str, ident: WorkerIdentity, engine, load: Callable):
+    """The worker's Prometheus metrics; `load`: the engine's (running, waiting, free blocks)."""
+    from cluster.metrics import WorkerMetrics
+
+    kvm = engine.kv_manager
+    prefix = (lambda: (kvm.query_tokens, kvm.hit_tokens, kvm.pool.num_cached,
+                       kvm.pool.evictions)) if kvm.hasher is not None else None
+    return WorkerMetrics(role, ident.id, engine.pool.num_blocks, load, prefix,
+                         spec=engine.proposer.name if engine.proposer is not None else None,
+                         transfer_refs=engine.connector.references)
+
+
+async def _until_signal(loop: asyncio.AbstractEventLoop) -> None:
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+def _registry_duties(redis_url: str, role: str, ident: WorkerIdentity, aengine, auth: ClusterAuth,
+                     redis_settings: RedisSettings) -> list:
+    """What keeps the worker in Redis: its signed registration and, with a prefix cache, its
+    prefix directory publisher."""
+    engine, lay = aengine.engine, aengine.engine.layout
+    info = WorkerInfo(id=ident.id, role=role, address=ident.address, model=ident.served_model,
+                      block_size=lay.block_size, hash_seed=engine.cfg.hash_seed, dtype=lay.dtype,
+                      num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
+                      head_dim=lay.head_dim, total_blocks=engine.pool.num_blocks,
+                      tensor_parallel_size=lay.tensor_parallel_size, started_at=time.time())
+    reg = WorkerRegistration(redis_url, info, load=aengine.load, auth=auth,
+                             redis_settings=redis_settings)
+    if engine.kv_manager.hasher is None:
+        return [reg]
+    return [reg, DirectoryPublisher(redis_url, ident.id, engine.pool.events, reg.ttl_s,
+                                    redis_settings=redis_settings)]
 
 
 async def _set_health(servicer, status) -> None:

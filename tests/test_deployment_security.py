@@ -142,17 +142,19 @@ def test_registrations_over_tls_redis_with_a_password_and_only_signed_ones_count
     url = tls_redis.redis_url
     auth = ClusterAuth(TOKEN)
 
+    no_password = registry.RedisSettings.from_sources(None, str(certs / "ca.pem"))
+    settings = registry.RedisSettings.from_sources(str(password_file), str(certs / "ca.pem"))
+    assert REDIS_PASSWORD not in repr(settings)
+
     async def run():
-        registry.configure_redis(None, str(certs / "ca.pem"))      # no password: refused
-        bare = registry.connect(url, socket_timeout=2)
+        bare = registry.connect(url, no_password, socket_timeout=2)     # no password: refused
         with pytest.raises(redis.AuthenticationError):
             await bare.ping()
         await bare.aclose()
 
-        registry.configure_redis(str(password_file), str(certs / "ca.pem"))
-        reg = WorkerRegistration(url, _info(id="decode-good"), auth=auth)
+        reg = WorkerRegistration(url, _info(id="decode-good"), auth=auth, redis_settings=settings)
         await reg.beat()
-        client = registry.connect(url, socket_timeout=2)
+        client = registry.connect(url, settings, socket_timeout=2)
         # a stranger who can write to Redis but lacks the token: an unsigned entry, an entry
         # signed with another token, and the good entry's address rewritten
         stranger = _info(id="decode-evil", address="10.6.6.6:1").to_redis()
@@ -177,10 +179,7 @@ def test_registrations_over_tls_redis_with_a_password_and_only_signed_ones_count
         await client.aclose()
         return seen_before, seen_after, open_view, copied, expired
 
-    try:
-        seen_before, seen_after, open_view, copied, expired = asyncio.run(run())
-    finally:
-        registry.configure_redis()
+    seen_before, seen_after, open_view, copied, expired = asyncio.run(run())
     assert seen_before == ["decode-good"]
     assert copied == ["decode-good"]           # the copy under another key does not verify
     assert expired == []                        # nor does an entry past its signed expiry

@@ -27,7 +27,7 @@ from kvtransfer.loopback import MemorySink, receiving
 from kvtransfer.staging import HostStaging
 from kvtransfer.torch_transport import MessageTensors
 from kvtransfer.wire import completion_chunk, layout_to_pb, notice_fields
-from cluster import auth as cluster_auth
+from cluster.auth import ClusterAuth
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from tests.conftest import free_port
@@ -308,31 +308,24 @@ async def _raw(stream, dst, src):
 async def _notice(stream, dst, sums):
     """A NIXL completion notice that claims `dst` (signed: the claims are what is checked)."""
     chunk = completion_chunk(stream.request_id, LAYOUT, 5, None, dst, sums)
-    chunk.signature = cluster_auth.current().sign(notice_fields(chunk))
+    chunk.signature = stream.sender.auth.sign(notice_fields(chunk))
     stream.sender.agent.send_notif(stream.remote, chunk.SerializeToString())
 
 
 # ------------------------------------------------------------------- the deployment token
-@pytest.fixture
-def token(monkeypatch):
-    """Set the process's deployment token; -> a function that changes it."""
-    def use(value):
-        monkeypatch.setattr(cluster_auth, "_current", cluster_auth.ClusterAuth(value))
-    use("s3cret")
-    return use
+SECRET = ClusterAuth("s3cret")                          # the deployment's token
 
 
-def test_grpc_pushes_carry_the_deployment_token(token):
+def test_grpc_pushes_carry_the_deployment_token():
     async def body():
         sink = MemorySink(LAYOUT, 8)
-        async with receiving("grpc", sink, f"127.0.0.1:{free_port()}") as receiver:
+        async with receiving("grpc", sink, f"127.0.0.1:{free_port()}", auth=SECRET) as receiver:
             sink.reservations["r"] = [1]
-            sender = create_sender("grpc", LAYOUT, kv=SRC)
+            sender = create_sender("grpc", LAYOUT, kv=SRC, auth=SECRET)
             await sender.send("r", SRC, [2], target(receiver, [1]), 3, None)
             await sender.close()
-            token(None)                                 # a sender without the token
             sink.reservations["s"] = [2]
-            stranger = create_sender("grpc", LAYOUT, kv=SRC)
+            stranger = create_sender("grpc", LAYOUT, kv=SRC)    # a sender without the token
             with pytest.raises(KVTransferError, match="UNAUTHENTICATED"):
                 await stranger.send("s", SRC, [3], target(receiver, [2]), 3, None)
             await stranger.close()
@@ -343,12 +336,12 @@ def test_grpc_pushes_carry_the_deployment_token(token):
     assert sink.kv[:, :, 2].abs().sum() == 0
 
 
-def test_torch_refuses_a_channel_announced_without_the_token(token):
+def test_torch_refuses_a_channel_announced_without_the_token():
     async def body():
         sink = MemorySink(LAYOUT, 8)
-        async with receiving("torch", sink, f"127.0.0.1:{free_port()}") as receiver:
-            token("another")
-            sender = create_sender("torch", LAYOUT, kv=SRC, timeout_s=1.5)
+        async with receiving("torch", sink, f"127.0.0.1:{free_port()}", auth=SECRET) as receiver:
+            sender = create_sender("torch", LAYOUT, kv=SRC, timeout_s=1.5,
+                                   auth=ClusterAuth("another"))
             sink.reservations["r"] = [1]
             with pytest.raises(KVTransferError):
                 await sender.send("r", SRC, [2], target(receiver, [1]), 3, None)
@@ -359,15 +352,16 @@ def test_torch_refuses_a_channel_announced_without_the_token(token):
     assert not sink.completed and sink.kv.abs().sum() == 0
 
 
-def test_nixl_ignores_notices_without_the_token(token, caplog):
+def test_nixl_ignores_notices_without_the_token(caplog):
     refused = "request r: ignoring a NIXL notification without the deployment's signature"
 
     async def body():
         sink = MemorySink(LAYOUT, 8)
-        async with endpoints("nixl", sink, SRC) as (sender, receiver):
+        async with receiving("nixl", sink, f"127.0.0.1:{free_port()}", auth=SECRET) as receiver:
+            sender = create_sender("nixl", LAYOUT, kv=SRC, auth=SECRET)
             sink.reservations["r"] = [1]
-            token("another")                            # a stranger's notice
-            stranger = create_sender("nixl", LAYOUT, kv=SRC)
+            stranger = create_sender("nixl", LAYOUT, kv=SRC,    # a stranger's notice
+                                     auth=ClusterAuth("another"))
             await stranger.send("r", SRC, [2], target(receiver, [1]), 3, None)
             await wait_until_async(lambda: refused in caplog.messages, 10,
                                    "the receiver reading the stranger's notice")
@@ -376,6 +370,7 @@ def test_nixl_ignores_notices_without_the_token(token, caplog):
             sink.reservations["s"] = [2]
             await sender.send("s", SRC, [3], target(receiver, [2]), 4, None)
             await asyncio.wait_for(sink.done.wait(), 10)
+            await sender.close()
         return ignored, sink
 
     ignored, sink = asyncio.run(body())
