@@ -1,4 +1,5 @@
-"""Shared fixtures: real Redis servers on free ports, the default model folder."""
+"""Shared fixtures: real Redis servers on free ports, the default model folder, a tiny
+random-weight model folder; `make_engine`, the engines of the unit tests."""
 
 from __future__ import annotations
 
@@ -105,3 +106,29 @@ def model_dir() -> Path:
             pytest.fail(message)          # CI fetches it first (make test): never skip there
         pytest.skip(message)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random-weight Llama saved as an HF folder (tests.test_model_parity.make_model:
+    seeded, so every session's is the same), for engine tests that need no real tokens."""
+    from tests.test_model_parity import make_model
+
+    path = tmp_path_factory.mktemp("tiny")
+    make_model(path, "llama")
+    return path
+
+
+# A small pool in blocks of 4 tokens and a small step budget: prompts of a few dozen tokens span
+# several blocks and chunks.
+SMALL_ENGINE = dict(num_blocks=32, block_size=4, max_num_batched_tokens=16)
+
+
+def make_engine(model_dir, **overrides):
+    """An Engine of `model_dir` (tiny_model_dir, model_dir or a folder a test wrote) with
+    SMALL_ENGINE's config, `overrides` (EngineConfig fields) replacing or adding to it. A module
+    whose tests share other values names them once: functools.partial(make_engine, ...)."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    return Engine(model_dir, EngineConfig(**{**SMALL_ENGINE, **overrides}))

@@ -10,6 +10,7 @@ Units on a tiny random-weight model; the rest through real worker and gateway pr
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 
@@ -18,35 +19,24 @@ import httpx
 import pytest
 
 from engine.async_engine import AsyncEngine, EngineDead, Overloaded
-from engine.config import EngineConfig
-from engine.engine import Engine
 from engine.request import Request, SamplingParams
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+from tests.conftest import make_engine
 from tests.stack import standard_stack, wait_idle, wait_until
-from tests.test_model_parity import make_model
 from tests.waiting import wait_until_async
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny")
-    make_model(d, "llama")
-    return d
-
-
-def _engine(model_dir, **kw) -> Engine:
-    cfg = dict(num_blocks=32, block_size=4, max_num_batched_tokens=32, max_num_seqs=4)
-    cfg.update(kw)
-    return Engine(model_dir, EngineConfig(**cfg))
+# what these tests need beyond the small engine: steps of 32 tokens, 4 sequences at once
+engine = functools.partial(make_engine, max_num_batched_tokens=32, max_num_seqs=4)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 # ---------------------------------------------------------------- engine checks
-def test_token_ids_outside_the_vocabulary_are_refused(tiny):
-    eng = _engine(tiny)
+def test_token_ids_outside_the_vocabulary_are_refused(tiny_model_dir):
+    eng = engine(tiny_model_dir)
     vocab = eng.model_cfg.vocab_size
     for req in (Request("a", [1, vocab], GREEDY),
                 Request("b", [1, 2], SamplingParams(max_tokens=4, stop_token_ids=(vocab + 5,))),
@@ -56,8 +46,8 @@ def test_token_ids_outside_the_vocabulary_are_refused(tiny):
     assert not eng.has_work() and eng.pool.num_free == eng.pool.num_blocks
 
 
-def test_one_request_may_take_only_its_share_of_the_pool(tiny):
-    eng = _engine(tiny, num_blocks=32, max_request_kv_share=0.25)      # 8 blocks of 4 tokens
+def test_one_request_may_take_only_its_share_of_the_pool(tiny_model_dir):
+    eng = engine(tiny_model_dir, num_blocks=32, max_request_kv_share=0.25)  # 8 blocks of 4
     eng.add_request(Request("fits", [1] * 10, SamplingParams(max_tokens=20)))   # 30 tokens: 8
     with pytest.raises(ValueError, match="max-request-kv-share"):
         eng.add_request(Request("long", [1] * 10, SamplingParams(max_tokens=40)))
@@ -66,9 +56,10 @@ def test_one_request_may_take_only_its_share_of_the_pool(tiny):
 
 
 # ---------------------------------------------------------------- AsyncEngine
-def test_a_full_queue_refuses_at_once(tiny):
+def test_a_full_queue_refuses_at_once(tiny_model_dir):
     async def run():
-        aengine = AsyncEngine(_engine(tiny, max_num_seqs=1, num_blocks=256), max_waiting=1)
+        aengine = AsyncEngine(engine(tiny_model_dir, max_num_seqs=1, num_blocks=256),
+                              max_waiting=1)
         aengine.start()
         try:
             long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
@@ -89,11 +80,11 @@ def test_a_full_queue_refuses_at_once(tiny):
     assert asyncio.run(run()) < 1.0
 
 
-def test_a_dead_engine_thread_fails_every_request_and_refuses_new_ones(tiny):
+def test_a_dead_engine_thread_fails_every_request_and_refuses_new_ones(tiny_model_dir):
     async def run():
         died = asyncio.Event()
         reasons = []
-        aengine = AsyncEngine(_engine(tiny, num_blocks=256),
+        aengine = AsyncEngine(engine(tiny_model_dir, num_blocks=256),
                               on_death=lambda r: (reasons.append(r), died.set()))
         aengine.start()
         long = SamplingParams(temperature=0.0, max_tokens=250, ignore_eos=True)

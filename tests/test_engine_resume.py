@@ -14,8 +14,7 @@ import pytest
 from engine.engine import Engine
 from engine.request import Request, SamplingParams
 from engine.structured import StructuredSpec
-from tests.test_batching import engine as batching_engine
-from tests.test_model_parity import make_model
+from tests.conftest import make_engine
 
 PROMPT = [5, 9, 17, 3, 3, 100, 41, 8, 8, 2, 77]       # 11 tokens: 2 full blocks of 4 + 3
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -24,17 +23,10 @@ SAMPLED = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=7, max_token
                          min_tokens=15)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny")
-    make_model(d, "llama")
-    return d
-
-
 def engines(model_dir) -> tuple[Engine, Engine]:
     """(prefill, decode) engines of one model, prefix caching on."""
-    return (batching_engine(model_dir, num_blocks=64, role="prefill"),
-            batching_engine(model_dir, num_blocks=64, role="decode"))
+    return tuple(make_engine(model_dir, num_blocks=64, max_num_seqs=8, role=role)
+                 for role in ("prefill", "decode"))
 
 
 def disaggregated(p: Engine, d: Engine, req: Request) -> tuple[list[int], int]:
@@ -77,12 +69,12 @@ def local(d: Engine, req: Request) -> list[int]:
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "seeded-penalized"])
-def test_a_resumed_request_goes_on_with_the_same_tokens(tiny_dir, params):
-    p, d = engines(tiny_dir)
+def test_a_resumed_request_goes_on_with_the_same_tokens(tiny_model_dir, params):
+    p, d = engines(tiny_model_dir)
     full, _ = disaggregated(p, d, Request("r", list(PROMPT), params))
     assert len(full) == params.max_tokens
     for k in (1, 6, 13, 19):          # 6, 19: the resumed tokens end inside a block
-        p2, d2 = engines(tiny_dir)    # workers that never saw the request
+        p2, d2 = engines(tiny_model_dir)    # workers that never saw the request
         rest, copied = disaggregated(p2, d2, Request(f"m{k}", list(PROMPT), params, full[:k]))
         assert rest == full[k:], k
         assert copied == -(-(len(PROMPT) + k) // 4)
@@ -92,12 +84,12 @@ def test_a_resumed_request_goes_on_with_the_same_tokens(tiny_dir, params):
         assert local(d2, Request(f"l{k}", list(PROMPT), params, full[:k])) == full[k:]
 
 
-def test_resume_is_refused_for_n_gt_1_and_without_tokens_left(tiny_dir):
+def test_resume_is_refused_for_n_gt_1_and_without_tokens_left(tiny_model_dir):
     with pytest.raises(ValueError, match="n > 1"):
         Request("r", list(PROMPT), replace(SAMPLED, n=2), [4, 5])
     with pytest.raises(ValueError, match="max_tokens"):
         Request("r", list(PROMPT), replace(GREEDY, max_tokens=2), [4, 5])
-    p, _ = engines(tiny_dir)
+    p, _ = engines(tiny_model_dir)
     p.check_fits(Request("r", list(PROMPT), GREEDY, [4] * 19))       # prefill: 31 tokens fit
     with pytest.raises(ValueError, match="max_model_len"):
         p.check_fits(Request("r", [1] * (p.cfg.max_model_len - 3), GREEDY, [4] * 3))
