@@ -33,7 +33,9 @@ files: random weights, no network). Prints one summary table:
                prompt, a held receive beside decode steps, the torch transport (NCCL, two GPUs)
                through an idle gap longer than its timeout
 
-Targets: decode within 1.5x of the floor at batch 1 and 64, prefill at >= 40% of the matmul
+The sections live here (kernels, parity, memory, tp, sampler), in pdserve.gpucheck_perf (decode,
+prefill, int8, int4) and in pdserve.gpucheck_kv (kv transfer); none needs the web stack, Redis or
+NIXL. Targets: decode within 1.5x of the floor at batch 1 and 64, prefill at >= 40% of the matmul
 peak. Exit status 0 when every row passes. `--quick` runs tiny shapes (any device; on CPUs with
 TRITON_INTERPRET=1): a smoke test of this script, with no targets.
 """
@@ -43,7 +45,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,17 +53,11 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.gpucheck_device import release, sync, timed
+from pdserve.gpucheck_perf import TINY_DECODE, decode_and_prefill
+
 ROOT = Path(__file__).resolve().parent.parent
 
-LLAMA3_8B = dict(family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                 num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
-                 rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
-                 rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0),
-                               ("low_freq_factor", 1.0),
-                               ("original_max_position_embeddings", 8192),
-                               ("rope_type", "llama3")))
-TINY_DECODE = dict(LLAMA3_8B, vocab_size=512, hidden_size=128, intermediate_size=256,
-                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32)
 TINY_HF = dict(vocab_size=256, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                rms_norm_eps=1e-6, tie_word_embeddings=False)
@@ -98,24 +93,6 @@ class Report:
     @property
     def failed(self) -> int:
         return sum(1 for r in self.rows if r[4] is False)
-
-
-def _sync(device) -> None:
-    import torch
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _release(device) -> None:
-    """Give back what the last section held (runners and their graphs refer to each other: only
-    the cycle collector frees them)."""
-    import gc
-
-    import torch
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
 
 
 # ---------------------------------------------------------------------------- kernel tests
@@ -256,7 +233,7 @@ def parity(report: Report, device: str, families: list[str], quick: bool) -> Non
                        f"argmax {top1:.0%}, greedy {same}/{new * len(prompts)} same, first "
                        f"divergence {first}", target, ok if not quick else None)
             del eng, hf
-            _release(device)
+            release(device)
 
 
 # ---------------------------------------------------------------------------- memory sizing
@@ -266,13 +243,13 @@ def memory_sizing(report: Report, device: str) -> None:
     from engine.config import EngineConfig, ModelConfig, kv_bytes_per_block
     from engine.model_runner import ModelRunner
 
-    _release(device)
+    release(device)
     mc = ModelConfig(**TINY_DECODE)
     cfg = EngineConfig(device=device, dtype="bfloat16", compute_dtype="bfloat16",
                        gpu_memory_utilization=0.3, max_model_len=2048, max_num_seqs=16,
                        max_num_batched_tokens=512)
     runner = ModelRunner(None, mc, cfg, random_weights=True)
-    _sync(runner.device)
+    sync(runner.device)
     total = torch.cuda.mem_get_info(runner.device)[1]
     used = torch.cuda.memory_reserved(runner.device)
     kv = runner.num_blocks * kv_bytes_per_block(mc, cfg)
@@ -282,190 +259,7 @@ def memory_sizing(report: Report, device: str) -> None:
                f"{kv / 2**30:.1f} GiB, torch holds {used / 2**30:.1f} of {total / 2**30:.0f} GiB",
                "<= 0.3 of the device", ok)
     del runner
-    _release(device)
-
-
-# ---------------------------------------------------------------------------- decode, prefill
-def _copy_bandwidth(dev) -> float:
-    """Device copy bandwidth, bytes read + written per second (2 GiB buffers)."""
-    import torch
-
-    if dev.type != "cuda":
-        return float("nan")
-    a = torch.empty(1 << 30, dtype=torch.bfloat16, device=dev)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        b.copy_(a)
-    end.record()
-    end.synchronize()
-    seconds = start.elapsed_time(end) / 1e3 / 10
-    return 2 * a.numel() * a.element_size() / seconds
-
-
-def _matmul_peak(dev) -> float:
-    import torch
-
-    if dev.type != "cuda":
-        return float("nan")
-    n = 8192
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=dev)
-    b = torch.randn(n, n, dtype=torch.bfloat16, device=dev)
-    for _ in range(3):
-        a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        a @ b
-    end.record()
-    end.synchronize()
-    return 2 * n ** 3 / (start.elapsed_time(end) / 1e3 / 10)
-
-
-def _decode_inputs(batch: int, ctx: int, block_size: int, vocab: int):
-    from engine.attention.base import BatchLayout
-    from engine.model_runner import StepInputs
-    from engine.request import SamplingParams
-    from engine.sampler import RowSampling
-
-    per = -(-ctx // block_size)
-    tables = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
-    greedy = SamplingParams(temperature=0, max_tokens=1)
-    return StepInputs([(7 * i) % vocab for i in range(batch)],
-                      BatchLayout(tables, [ctx - 1] * batch, [1] * batch), list(range(batch)),
-                      [RowSampling(greedy, 0)] * batch)
-
-
-def _timed(fn, repeat: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _quantized_layers(report: Report, section: str, model, four_bit: bool, device,
-                      quick: bool) -> None:
-    """How the quantized layers are held and launched: packed 4-bit where the scheme is, and
-    the Triton kernel's grid at batch 1 for each projection shape (programs against SMs; no
-    target for --quick's tiny shapes)."""
-    from kernels.triton_quant_linear import num_sms_of, plan
-
-    layers = [m for m in model.modules() if hasattr(m, "qweight")]
-    packed = sum(getattr(m, "qbits", 8) == 4 for m in layers)
-    if four_bit:
-        report.add(section, "storage", f"{packed}/{len(layers)} linear layers hold 4-bit "
-                   "weights two per byte", "all packed", bool(layers) and packed == len(layers))
-    sms = num_sms_of(device)
-    shapes = sorted({(m.out_features, m.in_features, m.group if m.groups > 1 else 0)
-                     for m in layers})
-    grids = [f"{n}x{k}: {plan(1, n, k, g, sms).programs(1, n)}" for n, k, g in shapes]
-    report.add(section, "batch-1 grid", f"programs per projection ({sms} SMs) "
-               + ", ".join(grids), f">= {2 * sms}",
-               None if quick else
-               all(plan(1, n, k, g, sms).programs(1, n) >= 2 * sms for n, k, g in shapes))
-
-
-def decode_and_prefill(report: Report, device: str, quick: bool,
-                       steps: dict | None = None, quantization: str = "none") -> None:
-    """bf16 decode steps and a prefill; with quantization "int8" or "w4a16" the decode steps
-    only, each against the bf16 step of the same batch and mode in `steps` (filled by the bf16
-    run)."""
-    import torch
-
-    from engine.attention.base import BatchLayout
-    from engine.config import EngineConfig, ModelConfig
-    from engine.model_runner import ModelRunner, StepInputs
-    from engine.request import SamplingParams
-    from engine.sampler import RowSampling
-
-    dev = torch.device(device)
-    _release(device)
-    mc = ModelConfig(**(TINY_DECODE if quick else LLAMA3_8B))
-    batches, ctx, prompt = ((1, 2), 32, 32) if quick else ((1, 16, 64), 1024, 2048)
-    dtype = "float32" if dev.type == "cpu" else "bfloat16"
-    bs = 16
-    cfg = EngineConfig(device=device, dtype=dtype, compute_dtype=dtype, block_size=bs,
-                       num_blocks=max(batches) * -(-ctx // bs) + prompt // bs + 1,
-                       max_num_seqs=max(batches), max_num_batched_tokens=prompt,
-                       max_model_len=max(2048, prompt), attention_backend="triton",
-                       quantization=quantization)
-    int8 = quantization != "none"                   # any quantized layers
-    section = {"none": "decode", "int8": "int8", "w4a16": "int4"}[quantization]
-    t0 = time.perf_counter()
-    runner = ModelRunner(None, mc, cfg, random_weights=True)
-    runner.kv.normal_()
-    _sync(dev)
-    setup = time.perf_counter() - t0
-    from engine.weights import weight_bytes as model_bytes
-
-    params = list(runner.model.parameters())
-    embed = runner.model.model.embed_tokens.weight
-    # what a decode step reads: every weight but the embedding table (one row per token)
-    weight_bytes = model_bytes(runner.model) - embed.numel() * embed.element_size()
-    kv_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * runner.kv.element_size()
-    bw, peak = _copy_bandwidth(dev), _matmul_peak(dev)
-    report.add(section, "setup", f"{sum(p.numel() for p in params) / 1e9:.2f} B params "
-               f"{dtype}{f' + {quantization} linear layers' if int8 else ''}, weights "
-               f"{model_bytes(runner.model) / 2**30:.2f} GiB, {runner.num_blocks} KV blocks, graphs "
-               f"{runner.graphs.buckets if runner.graphs else 'off'}, {setup:.0f} s; copy "
-               f"bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul peak {peak / 1e12:.0f} TFLOP/s")
-    if int8 and dev.type == "cuda":
-        _quantized_layers(report, section, runner.model, quantization == "w4a16", dev, quick)
-    graphs = runner.graphs
-    for batch in batches:
-        inp = _decode_inputs(batch, ctx, bs, mc.vocab_size)
-        floor = (weight_bytes + batch * ctx * kv_token) / bw
-        for mode in ("eager", "graphs"):
-            if mode == "graphs" and graphs is None:
-                continue
-            runner.graphs = graphs if mode == "graphs" else None
-            step = _timed(lambda: runner.execute(inp), *((1, 1) if quick else (20, 3)))
-            ratio = step / floor
-            item = f"batch {batch} ctx {ctx} {mode}"
-            if not int8:
-                if steps is not None:
-                    steps[item] = step
-                target = "<= 1.5x floor" if batch in (1, 64) and mode == "graphs" else ""
-                ok = None if quick or not target else ratio <= 1.5
-                report.add("decode", item, f"{step * 1e3:.2f} ms/step ({batch / step:.0f} "
-                           f"tok/s); floor {floor * 1e3:.2f} ms; {ratio:.2f}x", target, ok)
-                continue
-            bf16 = (steps or {}).get(item)
-            vs = step / bf16 if bf16 else None
-            target = "< bf16's step" if batch == 1 else ""
-            ok = None if quick or not target or vs is None else vs < 1.0
-            report.add(section, item, f"{step * 1e3:.2f} ms/step; "
-                       + (f"{vs:.2f}x bf16's {bf16 * 1e3:.2f} ms; " if vs else "")
-                       + f"floor {floor * 1e3:.2f} ms; {ratio:.2f}x", target, ok)
-    runner.graphs = graphs
-    if int8:
-        del runner, graphs, params, embed
-        _release(device)
-        return
-    greedy = SamplingParams(temperature=0, max_tokens=1)
-    base = max(batches) * -(-ctx // bs)
-    table = list(range(base, base + -(-prompt // bs)))
-    inp = StepInputs(list(range(prompt)), BatchLayout([table], [0], [prompt]), [prompt - 1],
-                     [RowSampling(greedy, 0)])
-    seconds = _timed(lambda: runner.execute(inp), *((1, 1) if quick else (5, 2)))
-    h, layers = mc.hidden_size, mc.num_layers
-    linear = sum(p.numel() for n, p in runner.model.named_parameters()
-                 if n.endswith("proj.weight"))
-    flops = 2 * linear * prompt + 2 * mc.vocab_size * h \
-        + 4 * layers * mc.num_heads * mc.head_dim * prompt * (prompt + 1) / 2
-    share = flops / seconds / peak
-    report.add("prefill", f"{prompt}-token prompt", f"{seconds * 1e3:.1f} ms, "
-               f"{prompt / seconds:.0f} tok/s, {flops / seconds / 1e12:.0f} TFLOP/s = "
-               f"{share:.0%} of the matmul peak", ">= 40%", None if quick else share >= 0.40)
-    del runner, graphs, params, embed
-    _release(device)
+    release(device)
 
 
 # ---------------------------------------------------------------------------- tensor parallel
@@ -500,7 +294,7 @@ def tensor_parallel(report: Report, device: str, quick: bool) -> None:
             finally:
                 eng.close()
             del eng
-            _release(device)
+            release(device)
     diff = float((got[2][0] - got[1][0]).abs().max())
     same = got[2][1] == got[1][1]
     report.add("tp", "2 ranks vs 1 (fp32, NCCL)", f"max |dlogit| {diff:.2e}, greedy tokens "
@@ -563,75 +357,11 @@ def sampler_check(report: Report, device: str, quick: bool) -> None:
                torch.equal(a.cpu(), b))
     plain = [RowSampling(SamplingParams(temperature=1.0, top_p=0.9, seed=r), 0)
              for r in range(rows)]
-    t_plain = _timed(lambda: sample(logits, [], [], rows=plain), *((1, 1) if quick else (10, 2)))
-    t_proc = _timed(lambda: sample(logits, [], [], rows=specs, eos_token_ids=eos),
+    t_plain = timed(lambda: sample(logits, [], [], rows=plain), *((1, 1) if quick else (10, 2)))
+    t_proc = timed(lambda: sample(logits, [], [], rows=specs, eos_token_ids=eos),
                     *((1, 1) if quick else (10, 2)))
     report.add("sampler", f"time at {rows} rows", f"top-p only {t_plain * 1e3:.2f} ms, with "
                f"every processing {t_proc * 1e3:.2f} ms (host staging included)")
-
-
-def kv_roundtrip(report: Report, device: str) -> None:
-    import torch
-
-    from kvtransfer.staging import HostStaging, tensor_from_bytes
-
-    dev = torch.device(device)
-    shape = (4, 2, 40, 16, 8, 128)                          # layers, k/v, blocks, slots, heads
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        if dev.type == "cpu" and dtype == torch.bfloat16:
-            continue
-        src = torch.randn(shape, device=dev).to(dtype)
-        dst = torch.zeros_like(src)
-        send, recv = HostStaging(dev), HostStaging(dev)
-        ids, to = [3, 4, 5, 17, 39, 0], [10, 11, 12, 30, 2, 8]
-        for i in range(0, len(ids), 4):                     # messages of up to 4 blocks
-            data = send.blocks_to_bytes(src, ids[i:i + 4])
-            n = len(ids[i:i + 4])
-            part = tensor_from_bytes(data, dtype, (shape[0], 2, n, *shape[3:]))
-            recv.write_blocks(dst, to[i:i + 4], part)
-        _sync(dev)
-        ok = torch.equal(dst[:, :, to], src[:, :, ids]) and \
-            int(dst.count_nonzero()) == int(src[:, :, ids].count_nonzero())
-        report.add("kv transfer", f"staging {str(dtype).split('.')[-1]}",
-                   f"{len(ids)} blocks device->host->device "
-                   f"{'intact' if ok else 'CORRUPTED'} (pinned: {send.pinned})", "intact", ok)
-    try:
-        import proto.pdserve_pb2  # noqa: F401
-    except ImportError:
-        report.add("kv transfer", "grpc transport", "skipped: proto code not generated here "
-                   "(needs grpcio-tools); the staging rows above are its device path")
-        return
-    import asyncio
-
-    report.add("kv transfer", "grpc transport", *asyncio.run(_grpc_roundtrip(dev)))
-
-
-async def _grpc_roundtrip(dev):
-    import socket
-
-    import torch
-
-    from engine.kv_layout import KVLayout
-    from kvtransfer.base import TransferTarget, create_sender
-    from kvtransfer.loopback import MemorySink, receiving
-
-    layout = KVLayout("float16", 16, 4, 8, 128)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    addr = f"127.0.0.1:{port}"
-    src = torch.randn(4, 2, 32, 16, 8, 128, device=dev).half()
-    sink = MemorySink(layout, 32, device=dev)
-    sink.reservations["r"] = [5, 6, 7, 8, 9]
-    async with receiving("grpc", sink, addr):
-        sender = create_sender("grpc", layout, kv=src, blocks_per_message=2)
-        target = TransferTarget("grpc", addr, "check", layout, (5, 6, 7, 8, 9))
-        await sender.send("r", src, [1, 2, 3, 30, 31], target, 42, None)
-        await sender.close()
-    _sync(dev)
-    ok = sink.completed.get("r", (None,))[0] == 42 and torch.equal(
-        sink.kv[:, :, [5, 6, 7, 8, 9]].to(dev), src[:, :, [1, 2, 3, 30, 31]])
-    return (f"5 blocks, 2 per message, {'intact' if ok else 'CORRUPTED'}", "intact", ok)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -663,19 +393,17 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     t0 = time.perf_counter()
     steps: dict = {}            # bf16 decode steps, for the int8 rows
+    perf = decode_and_prefill
     sections = [("kernels", lambda: kernel_tests(report, args.device), not args.quick),
                 ("parity", lambda: parity(report, args.device, args.families.split(","),
                                           args.quick), True),
                 ("memory", lambda: memory_sizing(report, args.device), cuda),
-                ("decode", lambda: decode_and_prefill(report, args.device, args.quick, steps),
-                 True),
-                ("int8", lambda: decode_and_prefill(report, args.device, args.quick, steps,
-                                                    "int8"), True),
-                ("int4", lambda: decode_and_prefill(report, args.device, args.quick, steps,
-                                                    "w4a16"), True),
+                ("decode", lambda: perf(report, args.device, args.quick, steps), True),
+                ("int8", lambda: perf(report, args.device, args.quick, steps, "int8"), True),
+                ("int4", lambda: perf(report, args.device, args.quick, steps, "w4a16"), True),
                 ("tp", lambda: tensor_parallel(report, args.device, args.quick), cuda),
                 ("sampler", lambda: sampler_check(report, args.device, args.quick), True),
-                ("kv", lambda: kv_roundtrip(report, args.device), True),
+                ("kv", lambda: gpucheck_kv.kv_roundtrip(report, args.device), True),
                 ("kv", lambda: gpucheck_kv.run(report, args.device, args.quick), True)]
     for section, run, wanted in sections:
         if not wanted or section in skip:

@@ -1,6 +1,10 @@
-"""The KV transports' stream discipline, checked and measured for `make gpu-check` (pdserve.gpucheck
-calls these; on CPUs `--quick` runs what does not need CUDA, as a smoke test).
+"""The KV transfer rows of `make gpu-check` (pdserve.gpucheck calls these; on CPUs `--quick` runs
+what does not need CUDA, as a smoke test): the staging and the grpc transport end to end, and the
+transports' stream discipline.
 
+  staging              KV blocks device -> host bytes -> device through the grpc transport's
+                       staging (kvtransfer.staging), per dtype, and through the whole grpc
+                       transport over loopback when its generated proto code is importable
   grpc engine thread   a grpc send of a 2,048-token Llama-3-8B-shaped prompt (bf16, 268 MB in
                        messages of 16 blocks): what its engine-thread part takes (gathers,
                        checksums and copies to page-locked memory, queued: HostStaging.gather)
@@ -34,6 +38,8 @@ import threading
 import time
 
 import torch
+
+from pdserve.gpucheck_device import sync
 
 WORST_STEP_S = 0.05       # a decode step queued behind a held receive takes the whole hold (1 s)
 
@@ -87,7 +93,7 @@ def grpc_engine_thread(report, device: str, quick: bool) -> None:
     per_piece = nbytes // kv.shape[2] * 16
     for attempt in range(2):                    # the first one allocates the page-locked buffers
         buffers = [staging.reserve(per_piece) for _ in pieces]
-        _sync(dev)
+        sync(dev)
         t0 = time.perf_counter()
         gathered = [staging.gather(kv, p, checksums, b) for p, b in zip(pieces, buffers)]
         engine_s = time.perf_counter() - t0
@@ -99,7 +105,7 @@ def grpc_engine_thread(report, device: str, quick: bool) -> None:
                 ok = ok and torch.equal(got, kv[:, :, p].cpu()) and len(sums) == len(p)
                 data.numpy().tobytes()          # the message's one host copy
         sender_s = time.perf_counter() - t0
-    _sync(dev)
+    sync(dev)
     t0 = time.perf_counter()
     for p in pieces:                           # all of it on one thread: the engine's, before
         with staging.gather(kv, p, checksums).on_host() as (data, _):
@@ -112,9 +118,65 @@ def grpc_engine_thread(report, device: str, quick: bool) -> None:
                ok if quick or dev.type != "cuda" else ok and engine_s <= 0.005)
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+# ---------------------------------------------------------------------------- staging, grpc
+def kv_roundtrip(report, device: str) -> None:
+    """Blocks device -> host bytes -> device through HostStaging, per dtype; then the whole grpc
+    transport over loopback when the proto code is importable."""
+    from kvtransfer.staging import HostStaging, tensor_from_bytes
+
+    dev = torch.device(device)
+    shape = (4, 2, 40, 16, 8, 128)                          # layers, k/v, blocks, slots, heads
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        if dev.type == "cpu" and dtype == torch.bfloat16:
+            continue
+        src = torch.randn(shape, device=dev).to(dtype)
+        dst = torch.zeros_like(src)
+        send, recv = HostStaging(dev), HostStaging(dev)
+        ids, to = [3, 4, 5, 17, 39, 0], [10, 11, 12, 30, 2, 8]
+        for i in range(0, len(ids), 4):                     # messages of up to 4 blocks
+            data = send.blocks_to_bytes(src, ids[i:i + 4])
+            n = len(ids[i:i + 4])
+            part = tensor_from_bytes(data, dtype, (shape[0], 2, n, *shape[3:]))
+            recv.write_blocks(dst, to[i:i + 4], part)
+        sync(dev)
+        ok = torch.equal(dst[:, :, to], src[:, :, ids]) and \
+            int(dst.count_nonzero()) == int(src[:, :, ids].count_nonzero())
+        report.add("kv transfer", f"staging {str(dtype).split('.')[-1]}",
+                   f"{len(ids)} blocks device->host->device "
+                   f"{'intact' if ok else 'CORRUPTED'} (pinned: {send.pinned})", "intact", ok)
+    try:
+        import proto.pdserve_pb2  # noqa: F401
+    except ImportError:
+        report.add("kv transfer", "grpc transport", "skipped: proto code not generated here "
+                   "(needs grpcio-tools); the staging rows above are its device path")
+        return
+    report.add("kv transfer", "grpc transport", *asyncio.run(_grpc_roundtrip(dev)))
+
+
+async def _grpc_roundtrip(dev):
+    import socket
+
+    from engine.kv_layout import KVLayout
+    from kvtransfer.base import TransferTarget, create_sender
+    from kvtransfer.loopback import MemorySink, receiving
+
+    layout = KVLayout("float16", 16, 4, 8, 128)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    addr = f"127.0.0.1:{port}"
+    src = torch.randn(4, 2, 32, 16, 8, 128, device=dev).half()
+    sink = MemorySink(layout, 32, device=dev)
+    sink.reservations["r"] = [5, 6, 7, 8, 9]
+    async with receiving("grpc", sink, addr):
+        sender = create_sender("grpc", layout, kv=src, blocks_per_message=2)
+        target = TransferTarget("grpc", addr, "check", layout, (5, 6, 7, 8, 9))
+        await sender.send("r", src, [1, 2, 3, 30, 31], target, 42, None)
+        await sender.close()
+    sync(dev)
+    ok = sink.completed.get("r", (None,))[0] == 42 and torch.equal(
+        sink.kv[:, :, [5, 6, 7, 8, 9]].to(dev), src[:, :, [1, 2, 3, 30, 31]])
+    return (f"5 blocks, 2 per message, {'intact' if ok else 'CORRUPTED'}", "intact", ok)
 
 
 # ---------------------------------------------------------------------------- handover
@@ -146,7 +208,7 @@ def handover(report, device: str, hold_s: float = 1.0) -> None:
             ready.synchronize()                 # this thread waits for it
             handed.append((data, ready))
 
-        _sync(dev)                              # `payload` is written: the other stream reads it
+        sync(dev)                              # `payload` is written: the other stream reads it
         thread = threading.Thread(target=receive)
         thread.start()
         steps = _steps(dev, hold_s * 1.3)
@@ -160,7 +222,7 @@ def handover(report, device: str, hold_s: float = 1.0) -> None:
         HostStaging(dev).write_blocks(pool, [3, 9, 4, 0], data, ready)
         queued_s = time.perf_counter() - t0
         del data, handed
-        _sync(dev)
+        sync(dev)
         ok = torch.equal(pool[:, :, [3, 9, 4, 0]], payload)
         fast = max(steps) < WORST_STEP_S
         report.add("kv transfer", "handover: a held receive on its own stream",
@@ -290,7 +352,7 @@ def _receive_child(device: str, timeout_s: float) -> None:
             while rest[0] not in sink.completed and rest[0] not in sink.rejected \
                     and time.monotonic() < deadline:
                 time.sleep(0.01)
-            _sync(dev)
+            sync(dev)
             state = ("intact" if torch.equal(sink.kv, want) else "CORRUPTED") \
                 if rest[0] in sink.completed else f"not-completed:{sink.rejected.get(rest[0])}"
             print("done", rest[0], state.replace(" ", "_"), flush=True)

@@ -47,7 +47,8 @@ def test_quantized_layer_rows_read_the_layers():
 
     from engine.layers.linear import Linear, QuantizedMethod
     from engine.layers.quant_formats import QuantScheme
-    from pdserve.gpucheck import Report, _quantized_layers
+    from pdserve.gpucheck import Report
+    from pdserve.gpucheck_perf import quantized_layers
 
     model = nn.Sequential(*[Linear(k, n, method=QuantizedMethod(QuantScheme("gptq", 4, 128),
                                                                  False))
@@ -57,7 +58,7 @@ def test_quantized_layer_rows_read_the_layers():
         layer.weight_scale.data.fill_(1.0)
         layer.process_weights_after_loading()
     report = Report()
-    _quantized_layers(report, "int4", model, True, torch.device("cpu"), quick=False)
+    quantized_layers(report, "int4", model, True, torch.device("cpu"), quick=False)
     storage, grid = report.rows
     assert storage[1] == "storage" and storage[4] is False and "0/2" in storage[2]
     assert grid[4] is True and "4096x4096: 512" in grid[2] and "4096x14336: 576" in grid[2]
