@@ -102,13 +102,14 @@ def run(args) -> dict:
         eng.close()
 
 
-def _measure(args, eng: Engine, new: int) -> dict:
+def _add_requests(args, eng: Engine, new: int) -> bool:
+    """--batch random prompts of --context tokens, each decoding `new` tokens (a JSON-schema
+    grammar each with --structured json), computed until every sequence decodes; -> whether
+    they are structured."""
     import torch
 
-    from engine.layers.linear import Linear
     from engine.request import Request, SamplingParams
 
-    spent = _time_linears(eng.model)
     gen = torch.Generator().manual_seed(args.seed)
     vocab = eng.model_cfg.vocab_size
     structured = getattr(args, "structured", "off") == "json"
@@ -129,9 +130,17 @@ def _measure(args, eng: Engine, new: int) -> dict:
     while any(r.num_computed_tokens < r.num_prompt_tokens
               for r in list(eng.scheduler.waiting) + eng.scheduler.running):
         eng.step()
+    return structured
+
+
+def _timed_steps(args, eng: Engine) -> tuple[list[float], list[float], list[float]]:
+    """WARMUP + --steps decode steps of every sequence; -> the timed steps' seconds, their
+    linear layers' and every step's grammar masks' (warm-up ones included)."""
+    import engine.structured as structured_module
+
+    spent = _time_linears(eng.model)
     steps, linear, masks = [], [], []
     mask_spent = [0.0]
-    import engine.structured as structured_module
     for i in range(args.steps + WARMUP):
         spent[0] = mask_spent[0] = 0.0
         t0 = time.perf_counter()
@@ -146,6 +155,14 @@ def _measure(args, eng: Engine, new: int) -> dict:
         if i >= WARMUP:
             steps.append(dt)
             linear.append(spent[0])
+    return steps, linear, masks
+
+
+def _measure(args, eng: Engine, new: int) -> dict:
+    from engine.layers.linear import Linear
+
+    structured = _add_requests(args, eng, new)
+    steps, linear, masks = _timed_steps(args, eng)
     step, lin = statistics.median(steps), statistics.median(linear)
     tp = eng.cfg.tensor_parallel_size
     runner = eng.runner
