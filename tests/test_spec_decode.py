@@ -4,20 +4,20 @@ mixed continuous batches, on tiny random-weight models; every block goes back to
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import Request, SamplingParams
 from engine.spec import NgramProposer, Proposal, SpecController
 from engine.spec.verify import rejection_sample, verify
+from tests.conftest import make_engine
 from tests.cpu_paths import linear_params
 from tests.test_batching import run
-from tests.test_model_parity import make_model
 
 # repetitive prompts (n-gram matches) next to ones without repeats
 PROMPTS = [[5, 9, 17, 3, 5, 9, 17, 3, 5, 9], [7] * 13, [1, 2, 3, 1, 2, 3, 1, 2],
@@ -26,21 +26,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny")
-    make_model(d, "llama")
-    return d
-
-
-@pytest.fixture(scope="module")
-def wrong_draft(tmp_path_factory, model_dir):
+def wrong_draft(tmp_path_factory, tiny_model_dir):
     """The tiny model with a zero output layer: its logits are all equal, so it always proposes
     token 0."""
     d = tmp_path_factory.mktemp("wrong-draft")
-    for f in model_dir.iterdir():
+    for f in tiny_model_dir.iterdir():
         if f.suffix != ".safetensors":
             (d / f.name).write_bytes(f.read_bytes())
-    weights = load_file(model_dir / "model.safetensors")
+    weights = load_file(tiny_model_dir / "model.safetensors")
     weights["lm_head.weight"] = torch.zeros_like(weights["model.embed_tokens.weight"])
     cfg = json.loads((d / "config.json").read_text())
     cfg["tie_word_embeddings"] = False
@@ -49,10 +42,9 @@ def wrong_draft(tmp_path_factory, model_dir):
     return d
 
 
-def engine(model_dir, **kw) -> Engine:
-    cfg = dict(num_blocks=128, block_size=4, max_num_batched_tokens=32, max_num_seqs=8)
-    cfg.update(kw)
-    return Engine(model_dir, EngineConfig(**cfg))
+# what these tests need beyond the small engine: room for six sequences and their proposals
+engine = functools.partial(make_engine, num_blocks=128, max_num_batched_tokens=32,
+                           max_num_seqs=8)
 
 
 def requests(params=GREEDY) -> list[Request]:
@@ -176,13 +168,13 @@ def _pools_free(eng: Engine) -> None:
 
 
 @pytest.mark.parametrize("spec", ["ngram", "draft:same", "draft:wrong"])
-def test_greedy_with_speculation_equals_plain_decoding(model_dir, wrong_draft, spec):
+def test_greedy_with_speculation_equals_plain_decoding(tiny_model_dir, wrong_draft, spec):
     """All prompts in one batch (speculating and non-speculating sequences side by side, with
     prompt chunks in the same steps), and each alone."""
-    draft = {"draft:same": f"draft:{model_dir}", "draft:wrong": f"draft:{wrong_draft}"}
+    draft = {"draft:same": f"draft:{tiny_model_dir}", "draft:wrong": f"draft:{wrong_draft}"}
     spec = draft.get(spec, spec)
-    plain = run(engine(model_dir), requests())
-    eng = engine(model_dir, speculative=spec)
+    plain = run(engine(tiny_model_dir), requests())
+    eng = engine(tiny_model_dir, speculative=spec)
     assert run(eng, requests()) == plain
     _pools_free(eng)
     st = eng.stats
@@ -196,34 +188,34 @@ def test_greedy_with_speculation_equals_plain_decoding(model_dir, wrong_draft, s
         assert st.spec_accepted > 0
     assert st.steps < sum(len(t) for t in plain.values()) or "wrong" in spec
     for r in requests()[:2]:
-        eng = engine(model_dir, speculative=spec)
+        eng = engine(tiny_model_dir, speculative=spec)
         assert run(eng, [r]) == {r.request_id: plain[r.request_id]}
         _pools_free(eng)
 
 
 @pytest.mark.parametrize("linear", linear_params())
-def test_ngram_speculation_equals_plain_decoding_on_every_linear_path(model_dir, linear):
+def test_ngram_speculation_equals_plain_decoding_on_every_linear_path(tiny_model_dir, linear):
     """Verification scores several tokens of a sequence in one step: on every --linear-method
     its greedy tokens are plain decoding's (oneDNN's rows included)."""
-    plain = run(engine(model_dir, linear_method=linear), requests())
-    eng = engine(model_dir, speculative="ngram", linear_method=linear)
+    plain = run(engine(tiny_model_dir, linear_method=linear), requests())
+    eng = engine(tiny_model_dir, speculative="ngram", linear_method=linear)
     assert run(eng, requests()) == plain
     assert eng.stats.spec_accepted > 0
     _pools_free(eng)
 
 
-def test_speculation_stops_at_eos_and_max_tokens(model_dir):
+def test_speculation_stops_at_eos_and_max_tokens(tiny_model_dir):
     """A proposal run that crosses the stop token or max_tokens is cut there."""
-    plain = run(engine(model_dir), requests())
+    plain = run(engine(tiny_model_dir), requests())
     stop_tok = plain["1"][5]
     eos_params = SamplingParams(temperature=0, max_tokens=24)
     for max_tokens in (1, 2, 7):
         p = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        eng = engine(model_dir, speculative=f"draft:{model_dir}")
+        eng = engine(tiny_model_dir, speculative=f"draft:{tiny_model_dir}")
         got = run(eng, [Request("1", PROMPTS[1], p)])
         assert got["1"] == plain["1"][:max_tokens]
         _pools_free(eng)
-    eng = engine(model_dir, speculative=f"draft:{model_dir}")
+    eng = engine(tiny_model_dir, speculative=f"draft:{tiny_model_dir}")
     eng.scheduler.eos = frozenset({stop_tok})
     got = run(eng, [Request("1", PROMPTS[1], eos_params)])
     assert got["1"] == plain["1"][:plain["1"].index(stop_tok) + 1]
@@ -231,13 +223,13 @@ def test_speculation_stops_at_eos_and_max_tokens(model_dir):
 
 
 @pytest.mark.parametrize("spec", ["ngram", "draft:same"])
-def test_sampling_with_speculation_runs_to_length_with_logprobs(model_dir, spec):
+def test_sampling_with_speculation_runs_to_length_with_logprobs(tiny_model_dir, spec):
     """Seeded sampling is reproducible for the same proposals (engine.spec.verify); how many
     are verified depends on measured step times, so only lengths and logprobs are compared."""
-    spec = f"draft:{model_dir}" if spec == "draft:same" else spec
+    spec = f"draft:{tiny_model_dir}" if spec == "draft:same" else spec
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=20, ignore_eos=True,
                             logprobs=True)
-    eng = engine(model_dir, speculative=spec)
+    eng = engine(tiny_model_dir, speculative=spec)
     reqs = requests(params)
     got = run(eng, reqs)
     assert all(len(t) == 20 for t in got.values())
@@ -246,20 +238,20 @@ def test_sampling_with_speculation_runs_to_length_with_logprobs(model_dir, spec)
     _pools_free(eng)
 
 
-def test_rejection_path_with_a_one_token_nucleus_equals_greedy(model_dir):
+def test_rejection_path_with_a_one_token_nucleus_equals_greedy(tiny_model_dir):
     """temperature > 0 with top_k=1 goes through rejection sampling, and must give exactly the
     greedy tokens (the n-gram proposals of the looping tiny model get verified)."""
-    plain = run(engine(model_dir), requests())
+    plain = run(engine(tiny_model_dir), requests())
     params = SamplingParams(temperature=0.7, top_k=1, seed=1, max_tokens=24, ignore_eos=True)
-    eng = engine(model_dir, speculative="ngram")
+    eng = engine(tiny_model_dir, speculative="ngram")
     assert run(eng, requests(params)) == plain
     assert eng.stats.spec_accepted > 0
     _pools_free(eng)
 
 
-def test_preemption_with_speculation_keeps_greedy_output(model_dir):
-    plain = run(engine(model_dir), requests())
-    eng = engine(model_dir, num_blocks=24, speculative=f"draft:{model_dir}")
+def test_preemption_with_speculation_keeps_greedy_output(tiny_model_dir):
+    plain = run(engine(tiny_model_dir), requests())
+    eng = engine(tiny_model_dir, num_blocks=24, speculative=f"draft:{tiny_model_dir}")
     assert run(eng, requests()) == plain
     assert eng.stats.preemptions > 0
     _pools_free(eng)
@@ -283,25 +275,25 @@ PROCESSED = dict(presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty
 
 
 @pytest.mark.parametrize("spec", ["ngram", "draft:same", "draft:wrong"])
-def test_processed_logits_with_speculation_equal_plain_decoding(model_dir, wrong_draft, spec):
+def test_processed_logits_with_speculation_equal_plain_decoding(tiny_model_dir, wrong_draft, spec):
     """Penalties, logit bias and min_tokens with speculation: each verification row is processed
     as if the proposals before it were accepted, so greedy output is plain decoding's, and
     rejection sampling through a one-token nucleus (top_k=1) is too."""
-    draft = {"draft:same": f"draft:{model_dir}", "draft:wrong": f"draft:{wrong_draft}"}
+    draft = {"draft:same": f"draft:{tiny_model_dir}", "draft:wrong": f"draft:{wrong_draft}"}
     spec = draft.get(spec, spec)
     for params in (SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **PROCESSED),
                    SamplingParams(temperature=0.7, top_k=1, seed=1, max_tokens=24,
                                   ignore_eos=True, **PROCESSED)):
-        plain = run(engine(model_dir), requests(params))
-        greedy = run(engine(model_dir), requests())
+        plain = run(engine(tiny_model_dir), requests(params))
+        greedy = run(engine(tiny_model_dir), requests())
         assert plain != greedy, "the processing must change the output for the test to mean much"
-        eng = engine(model_dir, speculative=spec)
+        eng = engine(tiny_model_dir, speculative=spec)
         assert run(eng, requests(params)) == plain
         assert eng.stats.spec_proposed > 0
         _pools_free(eng)
 
 
-def test_seeded_sampling_with_ngram_speculation_equals_plain_sampling(model_dir):
+def test_seeded_sampling_with_ngram_speculation_equals_plain_sampling(tiny_model_dir):
     """n-gram proposals are point masses, verified against the rows' own seeded draws: the
     output is token for token that of plain sampling, whatever was proposed (with penalties
     too)."""
@@ -309,8 +301,8 @@ def test_seeded_sampling_with_ngram_speculation_equals_plain_sampling(model_dir)
                                   ignore_eos=True),
                    SamplingParams(temperature=1.2, top_k=20, seed=6, max_tokens=24,
                                   ignore_eos=True, **PROCESSED)):
-        plain = run(engine(model_dir), requests(params))
-        eng = engine(model_dir, speculative="ngram")
+        plain = run(engine(tiny_model_dir), requests(params))
+        eng = engine(tiny_model_dir, speculative="ngram")
         assert run(eng, requests(params)) == plain
         assert eng.stats.spec_proposed > 0
         _pools_free(eng)
