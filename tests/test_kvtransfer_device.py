@@ -23,7 +23,7 @@ from kvtransfer.loopback import MemorySink, receiving
 from kvtransfer.staging import Gathered, HostStaging
 from kvtransfer.torch_transport import MessageTensors, TorchKVReceiver, TorchKVSender
 from kvtransfer.wire import tensor_from_bytes
-from tests.conftest import free_port
+from tests.conftest import free_port, make_engine
 from tests.test_kvtransfer import LAYOUT, endpoints, pool, target
 
 META = torch.device("meta")
@@ -146,28 +146,16 @@ def test_data_already_on_the_device_goes_into_the_pool_without_staging():
 
 
 # ------------------------------------------------------------- grpc sender, decode service sink
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from tests.test_model_parity import make_model
-
-    d = tmp_path_factory.mktemp("tiny")
-    make_model(d, "llama")
-    return d
-
-
-def test_grpc_sender_and_decode_sink_move_blocks_through_staging(model_dir):
+def test_grpc_sender_and_decode_sink_move_blocks_through_staging(tiny_model_dir):
     """grpc sender -> PushKV -> the decode engine's sink (kvtransfer.connector) -> a real engine
     that decodes."""
     from engine.async_engine import AsyncEngine
-    from engine.config import EngineConfig
     from kvtransfer.connector import EngineSink
-    from engine.engine import Engine
     from engine.request import Request, SamplingParams
     from kvtransfer import create_sender
     from cluster.metrics import WorkerMetrics
 
-    engine = Engine(model_dir, EngineConfig(role="decode", num_blocks=16, block_size=4,
-                                            max_num_batched_tokens=16))
+    engine = make_engine(tiny_model_dir, role="decode", num_blocks=16)
     lay = engine.layout
     g = torch.Generator().manual_seed(8)
     src = torch.randn(lay.num_layers, 2, 8, lay.block_size, lay.num_kv_heads, lay.head_dim,
