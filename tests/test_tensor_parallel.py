@@ -21,16 +21,13 @@ from engine.parallel import check_split, head_range
 from engine.request import Request, SamplingParams
 from kvtransfer.base import LayoutMismatch, check_layout
 from pdserve.gpucheck import engine_generate, engine_logits
+from tests.conftest import make_engine
 from tests.cpu_paths import linear_params
 from tests.test_model_parity import make_model
+from tests.waiting import wait_until, wait_until_async
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [[5, 9, 17, 3, 3, 100, 41], [7] * 13, [1, 2, 3]]
-
-
-def _engine(path, tp: int, **kw) -> Engine:
-    return Engine(path, EngineConfig(num_blocks=32, block_size=4, max_num_batched_tokens=16,
-                                     tensor_parallel_size=tp, **kw))
 
 
 def _greedy(eng: Engine) -> list[list[int]]:
@@ -42,7 +39,7 @@ def _greedy(eng: Engine) -> list[list[int]]:
 def _run(path, tp: int, ids: list[int], **kw):
     """(logits of every position of `ids`, greedy tokens of PROMPTS, the prompt's KV blocks
     with every head) from an engine of `tp` ranks."""
-    eng = _engine(path, tp, **kw)
+    eng = make_engine(path, tensor_parallel_size=tp, **kw)
     try:
         assert eng.layout.tensor_parallel_size == tp
         logits = engine_logits(eng, ids)
@@ -81,13 +78,12 @@ def test_tp_matches_one_rank_on_every_linear_path(tmp_path, linear):
     assert tokens == ref_tokens
 
 
-def test_sharded_pool_writes_each_rank_its_heads(tmp_path):
+def test_sharded_pool_writes_each_rank_its_heads(tiny_model_dir):
     """Blocks written with every head land on their ranks and read back whole; the checksum of
     the sharded pool is the checksum of the same blocks in one piece."""
     from kvtransfer.integrity import block_checksums
 
-    make_model(tmp_path, "llama")
-    eng = _engine(tmp_path, 2)
+    eng = make_engine(tiny_model_dir, tensor_parallel_size=2)
     try:
         data = torch.randn(2, 2, 3, 4, 2, 16, generator=torch.Generator().manual_seed(3))
         ids = torch.tensor([7, 2, 30])
@@ -128,7 +124,7 @@ def test_layout_handshake_maps_unequal_tp_and_refuses_other_heads():
         check_layout(KVLayout("float32", 16, 30, 3, 64, 3), KVLayout("float32", 16, 30, 6, 64, 3))
 
 
-def test_a_dead_rank_stops_the_engine_at_once(tmp_path):
+def test_a_dead_rank_stops_the_engine_at_once(tiny_model_dir):
     """No hang, no running on: the next step fails as a RankFailure, which ends the engine
     thread (its worker goes NOT_SERVING), and the request gets the error."""
     import asyncio
@@ -136,8 +132,7 @@ def test_a_dead_rank_stops_the_engine_at_once(tmp_path):
     from engine.async_engine import AsyncEngine
     from engine.parallel import RankFailure
 
-    make_model(tmp_path, "llama")
-    eng = _engine(tmp_path, 2)
+    eng = make_engine(tiny_model_dir, tensor_parallel_size=2)
 
     async def run():
         deaths = []
@@ -149,9 +144,9 @@ def test_a_dead_rank_stops_the_engine_at_once(tmp_path):
         t0 = time.monotonic()
         q = await aengine.add(Request("r", [1, 2, 3], SamplingParams(max_tokens=4)))
         out = await asyncio.wait_for(q.get(), 10)
-        await asyncio.sleep(0.1)
         assert out.finish_reason == "error" and "tensor-parallel rank failure" in out.error
-        assert deaths and aengine.dead and time.monotonic() - t0 < 10
+        await wait_until_async(lambda: deaths and aengine.dead, 10, "the engine thread's end")
+        assert time.monotonic() - t0 < 10
         with pytest.raises(RankFailure):          # and nothing runs on it any more
             eng.runner.read_blocks([0])
         aengine.stop()
@@ -161,25 +156,22 @@ def test_a_dead_rank_stops_the_engine_at_once(tmp_path):
         eng.close()
 
 
-def test_ranks_exit_when_rank_0_is_killed(tmp_path):
-    make_model(tmp_path, "llama")
+def test_ranks_exit_when_rank_0_is_killed(tiny_model_dir):
     script = ("import sys, time\n"
               "from engine.config import EngineConfig\n"
               "from engine.engine import Engine\n"
-              f"eng = Engine({str(tmp_path)!r}, EngineConfig(num_blocks=8, block_size=4, "
+              f"eng = Engine({str(tiny_model_dir)!r}, EngineConfig(num_blocks=8, block_size=4, "
               "tensor_parallel_size=2))\n"
               "print(eng.ranks.procs[0].pid, flush=True)\n"
-              "time.sleep(120)\n")
+              "time.sleep(120)\n")                 # until the test kills it
     rank0 = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                              cwd=ROOT)
     try:
         pid = int(rank0.stdout.readline())
         rank0.kill()
         rank0.wait()
-        deadline = time.monotonic() + 10
-        while _alive(pid):
-            assert time.monotonic() < deadline, "rank 1 outlived rank 0"
-            time.sleep(0.1)
+        wait_until(lambda: not _alive(pid), 10, "rank 1 to exit after rank 0",
+                   interval_s=0.1)
     finally:
         rank0.kill()
 
