@@ -30,7 +30,7 @@ from kvtransfer.wire import completion_chunk, layout_to_pb, notice_fields
 from cluster.auth import ClusterAuth
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from tests.conftest import free_port
+from tests.conftest import free_port, make_engine
 from tests.test_kvtransfer import LAYOUT, endpoints, pool, target
 from tests.waiting import wait_until_async
 
@@ -445,27 +445,15 @@ class CorruptingSender(GrpcKVSender):
         return FlipStaging(device)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from tests.test_model_parity import make_model
-
-    d = tmp_path_factory.mktemp("tiny")
-    make_model(d, "llama")
-    return d
-
-
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
-def test_corrupted_kv_fails_the_request_or_is_recomputed(model_dir, policy):
+def test_corrupted_kv_fails_the_request_or_is_recomputed(tiny_model_dir, policy):
     from decode_service.server import DecodeServicer
     from engine.async_engine import AsyncEngine
-    from engine.config import EngineConfig
-    from engine.engine import Engine
     from kvtransfer.wire import target_from_pb
     from cluster.metrics import WorkerMetrics
     from serving.worker import WorkerIdentity
 
-    engine = Engine(model_dir, EngineConfig(role="decode", num_blocks=16, block_size=4,
-                                            max_num_batched_tokens=16))
+    engine = make_engine(tiny_model_dir, role="decode", num_blocks=16)
     lay = engine.layout
     src = torch.randn(lay.num_layers, 2, 8, lay.block_size, lay.num_kv_heads, lay.head_dim,
                       generator=torch.Generator().manual_seed(9))
