@@ -9,10 +9,10 @@ import re
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from tests.stack import free_port
+from tests.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 300
@@ -51,11 +51,9 @@ class Up:
         return self.log.read_text()
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while "pdserve is up" not in self.output():
-            assert self.proc.poll() is None, f"pdserve up exited early:\n{self.output()[-3000:]}"
-            assert time.monotonic() < deadline, f"not up in time:\n{self.output()[-3000:]}"
-            time.sleep(0.5)
+        wait_until(lambda: "pdserve is up" in self.output(), START_TIMEOUT_S,
+                   lambda: f"pdserve up:\n{self.output()[-3000:]}", [(self.proc, self.log)],
+                   interval_s=0.5)
 
     def children(self) -> dict[str, int]:
         """Every child `up` reported healthy: name -> pid."""
@@ -93,10 +91,9 @@ def sessions_left(pids) -> list[str]:
 
 def assert_all_gone(up: Up, children: dict[str, int]) -> None:
     assert set(children) == {"redis", "prefill", "decode", "gateway"}, up.output()[-3000:]
-    deadline = time.monotonic() + 10      # the kernel tears a dead process down meanwhile
-    while (left := sessions_left(children.values())) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert left == []
+    # the kernel tears a dead process down meanwhile
+    wait_until(lambda: not sessions_left(children.values()), 10,
+               lambda: f"every process gone; left: {sessions_left(children.values())}")
     assert not [name for name, port in up.ports.items() if listening(port)]
 
 
