@@ -11,11 +11,11 @@ import pytest
 from engine.block_hash import BlockHasher
 from engine.block_pool import EVICTED, STORED, BlockPool
 from engine.config import EngineConfig
-from engine.engine import Engine
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, SamplingParams
 from engine.scheduler import Scheduler
-from tests.test_batching import model_dir, run  # noqa: F401  (module fixture)
+from tests.conftest import make_engine
+from tests.test_batching import run
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
@@ -123,20 +123,16 @@ def test_without_a_hasher_nothing_is_shared():
 
 
 # ---------------------------------------------------------------------- the engine
-def test_cache_hits_give_the_same_tokens_as_misses(model_dir):  # noqa: F811
+def test_cache_hits_give_the_same_tokens_as_misses(tiny_model_dir):
     shared = list(range(30, 50))                                  # 5 blocks of 4
     prompts = [shared + [1, 2, 3], shared + [9, 8], shared[:13] + [4] * 6, shared]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
-    def engine(caching: bool) -> Engine:
-        return Engine(model_dir, EngineConfig(num_blocks=64, block_size=4,
-                                              max_num_batched_tokens=16,
-                                              enable_prefix_caching=caching))
-    cold = engine(False)
+    cold = make_engine(tiny_model_dir, num_blocks=64, enable_prefix_caching=False)
     want = {}
     for i, p in enumerate(prompts):
         want.update(run(cold, [Request(str(i), p, params)]))
-    warm = engine(True)
+    warm = make_engine(tiny_model_dir, num_blocks=64, enable_prefix_caching=True)
     got = {}
     for i, p in enumerate(prompts):                               # one after another: hits
         got.update(run(warm, [Request(str(i), p, params)]))
