@@ -134,6 +134,18 @@ class Stack:
         return "\n".join(f"--- {p.name}\n{p.log.read_text()[-2000:]}" for p in self.procs)
 
 
+def metric(url: str, name: str, **labels) -> float:
+    """The sum of a Prometheus metric's samples at `url` with these labels (0 when none)."""
+    import httpx
+
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    total = 0.0
+    for line in httpx.get(url, timeout=10).text.splitlines():
+        if line.startswith(name) and line[len(name)] in "{ " and all(w in line for w in want):
+            total += float(line.split()[-1])
+    return total
+
+
 def worker_stats(p: Proc) -> pb.WorkerStats:
     """A worker's Stats RPC: requests running and waiting, KV blocks free of total."""
     with grpc.insecure_channel(p.address) as ch:

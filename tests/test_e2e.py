@@ -5,7 +5,6 @@ token for token."""
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -15,7 +14,7 @@ import torch
 
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from tests.stack import standard_stack
+from tests.stack import idle, standard_stack, wait_idle, worker_stats
 
 pytestmark = pytest.mark.slow
 
@@ -260,21 +259,6 @@ def test_grpc_bad_input_is_invalid_argument(gen_stub):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def worker_stats(stack, role: str) -> pb.WorkerStats:
-    addr = next(p.address for p in stack.procs if p.name == role)
-    with grpc.insecure_channel(addr) as ch:
-        stub = (pb_grpc.DecodeWorkerStub if role == "decode" else pb_grpc.PrefillWorkerStub)(ch)
-        return stub.Stats(pb.StatsRequest(), timeout=10)
-
-
-def idle(stack) -> bool:
-    for role in ("prefill", "decode"):
-        s = worker_stats(stack, role)
-        if s.running or s.waiting or s.free_blocks != s.total_blocks:
-            return False
-    return True
-
-
 def test_client_disconnect_frees_request_on_every_worker(stack, http):
     req = {"model": "SmolLM2-135M-Instruct", "prompt": PLAIN[2], "max_tokens": 2000,
            "temperature": 0, "ignore_eos": True, "stream": True}
@@ -284,12 +268,10 @@ def test_client_disconnect_frees_request_on_every_worker(stack, http):
             n += line.startswith("data: ")
             if n >= 3:
                 break
-        assert not idle(stack), "the request should be running while we read it"
-    deadline = time.monotonic() + 20
-    while not idle(stack):
-        assert time.monotonic() < deadline, (worker_stats(stack, "prefill"),
-                                             worker_stats(stack, "decode"))
-        time.sleep(0.2)
+        workers = stack.proc("prefill"), stack.proc("decode")
+        assert not idle(*workers), ("the request should be running while we read it",
+                                    [worker_stats(p) for p in workers])
+    wait_idle(*workers, timeout_s=20)
 
 
 def test_metrics_endpoints(stack, http):

@@ -4,16 +4,14 @@ give exactly the tokens they give alone; afterwards both pools are all free."""
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import httpx
 import pytest
 
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from tests.stack import standard_stack
+from tests.stack import metric, standard_stack, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -40,13 +38,6 @@ def generate(stub, prompt: str) -> list[int]:
     return ids
 
 
-def metric(url: str, name: str) -> float:
-    for line in httpx.get(url, timeout=10).text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.split()[-1])
-    raise KeyError(name)
-
-
 def test_concurrent_streams_equal_single_requests_with_preemption(stack):
     with grpc.insecure_channel(stack.procs[-1].address) as ch:
         stub = pb_grpc.GenerationStub(ch)
@@ -58,12 +49,4 @@ def test_concurrent_streams_equal_single_requests_with_preemption(stack):
     decode = next(p for p in stack.procs if p.name == "decode")
     assert metric(decode.metrics, "pdserve_preemptions_total") > 0
     assert metric(decode.metrics, "pdserve_step_batch_sequences_count") > 0
-    deadline = time.monotonic() + 10
-    for role in ("prefill", "decode"):
-        proc = next(p for p in stack.procs if p.name == role)
-        while True:
-            free = metric(proc.metrics, "pdserve_kv_blocks_free")
-            if free == metric(proc.metrics, "pdserve_kv_blocks_total"):
-                break
-            assert time.monotonic() < deadline, f"{role}: {free} blocks free"
-            time.sleep(0.2)
+    wait_idle(stack.proc("prefill"), stack.proc("decode"), timeout_s=10)

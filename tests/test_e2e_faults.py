@@ -13,9 +13,8 @@ import time
 import httpx
 import pytest
 
-from tests.stack import standard_stack, wait_until
+from tests.stack import metric, standard_stack, wait_until
 from tests.test_e2e import hf, hf_greedy  # noqa: F401  (module fixture)
-from tests.test_e2e_prefix import metric, proc
 
 pytestmark = pytest.mark.slow
 
@@ -53,15 +52,19 @@ def start(stack, ids: list[int]) -> dict:
 
 
 def busy(stack, names, key="pdserve_requests_running") -> str:
-    """The worker among `names` that has the request (prefill: running; decode: blocks taken)."""
+    """The worker among `names` that has the request (prefill: running, or "saving": blocks
+    sent or being sent; decode: "blocks" taken)."""
     def find():
         for n in names:
-            p = proc(stack, n)
+            p = stack.proc(n)
             if not p.alive():
                 continue
             m = p.metrics
             if key == "blocks":
                 if metric(m, "pdserve_kv_blocks_free") < metric(m, "pdserve_kv_blocks_total"):
+                    return n
+            elif key == "saving":
+                if metric(m, "pdserve_kv_blocks_in_transfer", hold="saving") > 0:
                     return n
             elif metric(m, key) > 0:
                 return n
@@ -72,7 +75,7 @@ def busy(stack, names, key="pdserve_requests_running") -> str:
 
 def all_free(stack, workers=WORKERS) -> None:
     for n in workers:
-        p = proc(stack, n)
+        p = stack.proc(n)
         if p.alive():
             wait_until(lambda m=p.metrics: metric(m, "pdserve_kv_blocks_free")
                        == metric(m, "pdserve_kv_blocks_total"), 20, f"{n} pool all free")
@@ -88,14 +91,14 @@ def test_a_stalled_transfer_is_computed_on_the_decode_worker(stack, hf):  # noqa
     ids = long_prompt(hf[0], "rivers")
     req = start(stack, ids)
     stalled = busy(stack, WORKERS[:2])
-    os.kill(proc(stack, stalled).popen.pid, signal.SIGSTOP)        # alive, silent
+    os.kill(stack.proc(stalled).popen.pid, signal.SIGSTOP)        # alive, silent
     try:
         req["thread"].join(120)
     finally:
-        os.kill(proc(stack, stalled).popen.pid, signal.SIGCONT)
+        os.kill(stack.proc(stalled).popen.pid, signal.SIGCONT)
     assert req["status"] == 200, req["body"]
     assert req["body"]["choices"][0]["text"] == text_of(hf, ids)
-    timeouts = sum(metric(proc(stack, d).metrics, "pdserve_kv_transfer_failures_total",
+    timeouts = sum(metric(stack.proc(d).metrics, "pdserve_kv_transfer_failures_total",
                           kind="timeout") for d in WORKERS[2:])
     assert timeouts == 1
     all_free(stack)
@@ -105,7 +108,7 @@ def test_a_killed_prefill_worker_is_replaced(stack, hf):  # noqa: F811
     ids = long_prompt(hf[0], "mountains")
     req = start(stack, ids)
     victim = busy(stack, WORKERS[:2])
-    proc(stack, victim).kill()
+    stack.proc(victim).kill()
     req["thread"].join(120)
     assert req["status"] == 200, req["body"]
     assert req["body"]["choices"][0]["text"] == text_of(hf, ids)
@@ -117,8 +120,8 @@ def test_a_killed_decode_worker_frees_the_prefill_side_and_is_replaced(stack, hf
     ids = long_prompt(hf[0], "forests")
     req = start(stack, ids)
     victim = busy(stack, WORKERS[2:], key="blocks")
-    time.sleep(0.5)                                   # the prefill worker is streaming KV now
-    proc(stack, victim).kill()
+    busy(stack, WORKERS[:2], key="saving")            # the prefill worker is streaming KV now
+    stack.proc(victim).kill()
     t0 = time.monotonic()
     req["thread"].join(120)
     assert req["status"] == 200, req["body"]
@@ -154,7 +157,7 @@ def test_a_stalled_one_sided_transfer_is_computed_in_other_blocks(nixl_stack, hf
     ids = long_prompt(hf[0], "glaciers")
     req = start(nixl_stack, ids)
     busy(nixl_stack, ("prefill",))
-    prefill = proc(nixl_stack, "prefill").popen.pid
+    prefill = nixl_stack.proc("prefill").popen.pid
     os.kill(prefill, signal.SIGSTOP)
     try:
         req["thread"].join(120)
@@ -162,6 +165,6 @@ def test_a_stalled_one_sided_transfer_is_computed_in_other_blocks(nixl_stack, hf
         os.kill(prefill, signal.SIGCONT)
     assert req["status"] == 200, req["body"]
     assert req["body"]["choices"][0]["text"] == text_of(hf, ids)
-    decode = proc(nixl_stack, "decode").metrics
+    decode = nixl_stack.proc("decode").metrics
     assert metric(decode, "pdserve_kv_transfer_failures_total", kind="timeout") == 1
     all_free(nixl_stack, ("prefill", "decode"))   # the resumed sender's notice freed them

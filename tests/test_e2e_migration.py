@@ -20,9 +20,8 @@ import pytest
 from cluster import health
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from tests.stack import standard_stack, wait_until
+from tests.stack import metric, standard_stack, wait_until
 from tests.test_e2e import hf, hf_greedy  # noqa: F401  (module fixture)
-from tests.test_e2e_prefix import metric, proc
 from tests.test_gateway_failures import _wait_registered
 
 pytestmark = pytest.mark.slow
@@ -59,7 +58,7 @@ def serving(stack, exclude: tuple[str, ...] = ()):
 
 
 def migrations(stack) -> float:
-    return metric(proc(stack, "gateway").http + "/metrics", "pdserve_stream_migrations_total")
+    return metric(stack.proc("gateway").http + "/metrics", "pdserve_stream_migrations_total")
 
 
 class GrpcStream:
@@ -68,7 +67,7 @@ class GrpcStream:
     def __init__(self, stack, ids: list[int], **params) -> None:
         self.tokens: list[int] = []
         self.reason, self.error = "", None
-        self._channel = grpc.insecure_channel(proc(stack, "gateway").address)
+        self._channel = grpc.insecure_channel(stack.proc("gateway").address)
         stub = pb_grpc.GenerationStub(self._channel)
         request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids),
                                      params=pb.SamplingParams(**params))
@@ -145,7 +144,7 @@ def test_a_seeded_sampled_stream_survives_its_decode_worker(stack, prompt):
 
 def test_a_stalled_stream_moves_and_the_stalled_worker_lets_go(stack, hf, prompt):  # noqa: F811
     ref = hf_greedy(hf, prompt, NEW)
-    url = proc(stack, "gateway").http + "/metrics"
+    url = stack.proc("gateway").http + "/metrics"
     before, stalls = migrations(stack), metric(url, "pdserve_stream_stalls_total")
     s = GrpcStream(stack, prompt, temperature=0.0, max_tokens=NEW)
     s.wait_tokens(4)
@@ -173,7 +172,7 @@ def test_past_the_migration_limit_ends_the_stream_in_an_error(stack, hf, prompt)
     events: list[str] = []
 
     def read():
-        with httpx.stream("POST", proc(stack, "gateway").http + "/v1/completions", timeout=240,
+        with httpx.stream("POST", stack.proc("gateway").http + "/v1/completions", timeout=240,
                           json={"prompt": prompt, "max_tokens": NEW, "temperature": 0,
                                 "stream": True}) as r:
             events.extend(line[6:] for line in r.iter_lines() if line.startswith("data: "))
@@ -197,6 +196,6 @@ def test_past_the_migration_limit_ends_the_stream_in_an_error(stack, hf, prompt)
     text = "".join(c["text"] for c in chunks)
     assert len(text) > 0 and ref_text.startswith(text), (text, ref_text)
     assert migrations(stack) == before + 1
-    wait_until(lambda: metric(proc(stack, "prefill").metrics, "pdserve_kv_blocks_free")
-               == metric(proc(stack, "prefill").metrics, "pdserve_kv_blocks_total"), 20,
+    wait_until(lambda: metric(stack.proc("prefill").metrics, "pdserve_kv_blocks_free")
+               == metric(stack.proc("prefill").metrics, "pdserve_kv_blocks_total"), 20,
                "the prefill pool all free")

@@ -5,16 +5,14 @@ its proposals in /metrics and ends with both pools free."""
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from pdserve.bench.code_edit import code_edit_texts
-from tests.stack import standard_stack
+from tests.stack import metric, standard_stack, wait_idle
 from tests.test_e2e import hf, hf_greedy  # noqa: F401  (module fixture)
-from tests.test_e2e_prefix import metric, proc
 
 pytestmark = pytest.mark.slow
 
@@ -41,14 +39,11 @@ def test_greedy_parity_with_hf_with_speculation(spec, model_dir, tmp_path, hf): 
             got = list(ex.map(lambda ids: complete(base, ids), cases))
         for ids, text in zip(cases, got):
             assert text == tok.decode(hf_greedy(hf, ids, NEW), skip_special_tokens=True)
-        decode = proc(s, "decode").metrics
+        decode = s.proc("decode").metrics
         proposed = metric(decode, "pdserve_spec_proposed_tokens_total", proposer=spec)
         accepted = metric(decode, "pdserve_spec_accepted_tokens_total", proposer=spec)
         assert proposed > 0 and 0 < accepted <= proposed
         if spec == "draft":           # the target drafting for itself is always right
             assert accepted == proposed
         assert metric(decode, "pdserve_spec_mean_accepted_length", proposer=spec) > 1
-        deadline = time.monotonic() + 10
-        while metric(decode, "pdserve_kv_blocks_free") != metric(decode, "pdserve_kv_blocks_total"):
-            assert time.monotonic() < deadline, "decode blocks still in use"
-            time.sleep(0.2)
+        wait_idle(s.proc("decode"), timeout_s=10)

@@ -5,15 +5,12 @@ ranks. Greedy tokens are HF's; every rank's pool ends all free."""
 from __future__ import annotations
 
 import shutil
-import time
 
-import httpx
 import pytest
 import torch
 
-from tests.stack import standard_stack
+from tests.stack import metric, standard_stack, wait_idle
 from tests.test_e2e import hf, hf_greedy  # noqa: F401  (module fixture)
-from tests.test_e2e_prefix import metric, proc
 from tests.test_e2e_transports import STORY, complete
 
 pytestmark = pytest.mark.slow
@@ -21,19 +18,11 @@ pytestmark = pytest.mark.slow
 NEW = 12
 
 
-def _all_free(s) -> None:
-    for p in (proc(s, "prefill").metrics, proc(s, "decode").metrics):
-        deadline = time.monotonic() + 10
-        while metric(p, "pdserve_kv_blocks_free") != metric(p, "pdserve_kv_blocks_total"):
-            assert time.monotonic() < deadline, f"{p}: blocks still in use"
-            time.sleep(0.2)
-
-
 def _check(s, tok, reference, cases) -> None:
     base = s.procs[-1].http
     for ids in cases:
         assert complete(base, ids) == tok.decode(reference(ids), skip_special_tokens=True)
-    _all_free(s)
+    wait_idle(s.proc("prefill"), s.proc("decode"), timeout_s=10)
 
 
 def test_decode_tp3_behind_tp1_prefill_is_hf_greedy(model_dir, tmp_path, hf):  # noqa: F811
@@ -46,13 +35,13 @@ def test_decode_tp3_behind_tp1_prefill_is_hf_greedy(model_dir, tmp_path, hf):  #
         cases = [tok(STORY * 6 + "What did the keeper write?").input_ids,
                  tok("Name a large ocean.").input_ids]
         _check(s, tok, lambda ids: hf_greedy(hf, ids, NEW), cases)
-        assert metric(proc(s, "decode").metrics, "pdserve_kv_transfers_total",
+        assert metric(s.proc("decode").metrics, "pdserve_kv_transfers_total",
                       transport="torch") == len(cases)
-        assert "tensor parallel: 3 ranks" in proc(s, "decode").log.read_text()
+        assert "tensor parallel: 3 ranks" in s.proc("decode").log.read_text()
 
 
 @pytest.fixture(scope="module")
-def tiny(model_dir, tmp_path_factory):
+def tiny_even_heads(model_dir, tmp_path_factory):
     """A random Llama with 4 query and 2 KV heads (even over 2 ranks) and the default model's
     tokenizer, saved as an HF folder; the HF model itself."""
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -77,8 +66,9 @@ def tiny(model_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
-def test_unequal_tp_is_hf_greedy(tiny, hf, tmp_path, prefill_tp, decode_tp):  # noqa: F811
-    d, model = tiny
+def test_unequal_tp_is_hf_greedy(tiny_even_heads, hf, tmp_path,  # noqa: F811
+                                 prefill_tp, decode_tp):
+    d, model = tiny_even_heads
     tok = hf[0]
     name = ("--served-model-name", "SmolLM2-135M-Instruct")     # what `complete` asks for
     flags = (*name, "--max-num-batched-tokens", "64")
@@ -91,4 +81,4 @@ def test_unequal_tp_is_hf_greedy(tiny, hf, tmp_path, prefill_tp, decode_tp):  # 
             return hf_greedy((tok, model), ids, NEW)
         _check(s, tok, reference, cases)
         for role, n in (("prefill", prefill_tp), ("decode", decode_tp)):
-            assert (f"tensor parallel: {n} ranks" in proc(s, role).log.read_text()) == (n > 1)
+            assert (f"tensor parallel: {n} ranks" in s.proc(role).log.read_text()) == (n > 1)

@@ -4,15 +4,13 @@ several chunks; both pools end all free."""
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tests.stack import standard_stack
+from tests.stack import metric, standard_stack, wait_idle
 from tests.test_e2e import hf, hf_greedy  # noqa: F401  (module fixture)
-from tests.test_e2e_prefix import metric, proc
 
 pytestmark = pytest.mark.slow
 
@@ -45,12 +43,8 @@ def test_greedy_parity_with_hf_over_transport(transport, model_dir, tmp_path, hf
             got = list(ex.map(lambda ids: complete(base, ids), cases))
         for ids, text in zip(cases, got):
             assert text == tok.decode(hf_greedy(hf, ids, NEW), skip_special_tokens=True)
-        decode = proc(s, "decode").metrics
+        decode = s.proc("decode").metrics
         assert metric(decode, "pdserve_kv_transfers_total", transport=transport) == len(cases)
-        prefill = proc(s, "prefill").metrics
+        prefill = s.proc("prefill").metrics
         assert metric(prefill, "pdserve_kv_transfer_bytes_total", transport=transport) > 0
-        for p in (prefill, decode):
-            deadline = time.monotonic() + 10
-            while metric(p, "pdserve_kv_blocks_free") != metric(p, "pdserve_kv_blocks_total"):
-                assert time.monotonic() < deadline, f"{p}: blocks still in use"
-                time.sleep(0.2)
+        wait_idle(s.proc("prefill"), s.proc("decode"), timeout_s=10)

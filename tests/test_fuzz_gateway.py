@@ -31,7 +31,7 @@ from schemathesis import GenerationMode
 
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from tests.stack import standard_stack, wait_until
+from tests.stack import standard_stack, wait_idle
 from tests.test_gateway_grpc import _undecodable
 from tests.test_gateway_validation import BAD_TEXT, OUT_OF_RANGE, post_json
 
@@ -318,13 +318,6 @@ def test_grpc_text_that_is_not_utf8_is_invalid_argument_and_serving_goes_on(stac
     assert out[-1].finish_reason == "length" and out[-1].usage.completion_tokens == 2
 
 
-def _stats(stack, role: str) -> pb.WorkerStats:
-    addr = next(p.address for p in stack.procs if p.name == role)
-    with grpc.insecure_channel(addr) as ch:
-        stub = (pb_grpc.DecodeWorkerStub if role == "decode" else pb_grpc.PrefillWorkerStub)(ch)
-        return stub.Stats(pb.StatsRequest(), timeout=10)
-
-
 def test_afterwards_the_gateway_serves_as_before_and_nothing_leaked(stack, http, before):
     r = http.post("/v1/completions", json=GREEDY)
     assert r.status_code == 200, r.text
@@ -332,12 +325,6 @@ def test_afterwards_the_gateway_serves_as_before_and_nothing_leaked(stack, http,
     assert r.json()["usage"]["completion_tokens"] == GREEDY["max_tokens"]
     assert http.get("/health").json()["status"] == "ok"
 
-    def idle() -> bool:
-        return all(s.running == 0 and s.waiting == 0 and s.free_blocks == s.total_blocks
-                   for s in (_stats(stack, "prefill"), _stats(stack, "decode")))
-    try:
-        wait_until(idle, 30, "both workers idle with every block free")
-    except TimeoutError:
-        raise AssertionError((_stats(stack, "prefill"), _stats(stack, "decode"))) from None
+    wait_idle(stack.proc("prefill"), stack.proc("decode"))
     for p in stack.procs:
         assert p.alive(), f"{p.name} died:\n{p.log.read_text()[-3000:]}"
