@@ -12,6 +12,8 @@ from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, SamplingParams
 from engine.scheduler import Scheduler
+from tests.conftest import make_engine
+from tests.waiting import wait_until_async
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 NONE_HELD = {"saving": 0, "held": 0, "quarantined": 0, "loading": 0}
@@ -119,7 +121,7 @@ def test_the_engine_sink_writes_only_live_loads_and_checks_before_the_request_ru
     from kvtransfer.integrity import checksums
     from cluster.metrics import WorkerMetrics
 
-    engine = _decode_engine(model_dir)
+    engine = make_engine(model_dir, role="decode", num_blocks=16)
     data = _two_blocks(engine, seed=3)
 
     async def body():
@@ -154,10 +156,8 @@ def test_the_engine_sink_writes_only_live_loads_and_checks_before_the_request_ru
             await sink.reject("bad", why, "checksum")
             out = await asyncio.wait_for(q_bad.get(), 10)
             assert out.error and refused == ["bad"] and not out.new_token_ids  # never ran
-            for _ in range(100):
-                if engine.pool.num_free == engine.pool.num_blocks:
-                    break
-                await asyncio.sleep(0.01)
+            await wait_until_async(lambda: engine.pool.num_free == engine.pool.num_blocks, 5,
+                                   "every block free")
             return engine.pool.num_free, engine.connector.references()
         finally:
             aengine.stop()
@@ -172,12 +172,6 @@ def test_a_senders_word_before_the_abort_keeps_nothing_aside():
     s.sender_done("r")                    # its abort notice overtook the client's
     s.abort("r")
     assert kv.pool.num_free == kv.pool.num_blocks and s.connector.references() == NONE_HELD
-
-
-def _decode_engine(model_dir, **kw):
-    from engine.engine import Engine
-    return Engine(model_dir, EngineConfig(role="decode", num_blocks=16, block_size=4,
-                                          max_num_batched_tokens=16, **kw))
 
 
 def _two_blocks(engine, seed: int) -> torch.Tensor:
@@ -195,7 +189,7 @@ def test_writes_past_the_bound_wait_their_turn_and_the_request_runs_on_them(mode
     from cluster.metrics import WorkerMetrics
 
     monkeypatch.setattr(connector, "MAX_PENDING_BYTES", 1)     # every write waits for the last
-    engine = _decode_engine(model_dir)
+    engine = make_engine(model_dir, role="decode", num_blocks=16)
     data = _two_blocks(engine, seed=5)
 
     async def body():
@@ -224,7 +218,7 @@ def test_writes_past_the_bound_wait_their_turn_and_the_request_runs_on_them(mode
 def test_a_reservation_whose_kv_does_not_come_times_out_on_the_engine(model_dir):
     from engine.async_engine import AsyncEngine
 
-    engine = _decode_engine(model_dir)
+    engine = make_engine(model_dir, role="decode", num_blocks=16)
     c = engine.connector
 
     async def body():
@@ -239,10 +233,8 @@ def test_a_reservation_whose_kv_does_not_come_times_out_on_the_engine(model_dir)
             rid = await asyncio.wait_for(timed_out.get(), 5)
             kept = c.references()["quarantined"]
             await aengine.abort(rid)                # --kv-load-failure fail
-            for _ in range(300):                    # the silent sender's lease runs out
-                if engine.pool.num_free == engine.pool.num_blocks:
-                    break
-                await asyncio.sleep(0.01)
+            await wait_until_async(lambda: engine.pool.num_free == engine.pool.num_blocks, 10,
+                                   "the silent sender's lease to run out")
             return rid, kept, engine.pool.num_free, c.references()
         finally:
             aengine.stop()
