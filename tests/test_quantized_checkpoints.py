@@ -17,11 +17,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine.config import EngineConfig
-from engine.engine import Engine
 from engine.layers.quant_formats import QuantScheme, resolve
 from pdserve.gpucheck import engine_generate, engine_logits
 from pdserve.quantize import quantize_checkpoint
+from tests.conftest import make_engine
 
 GROUP = 128
 TINY = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128,
@@ -46,13 +45,8 @@ def write_quantized(root: Path, fmt: str) -> tuple[Path, Path]:
     return quant, dense
 
 
-def _engine(path, tp=1, **kw) -> Engine:
-    return Engine(path, EngineConfig(num_blocks=32, block_size=4, max_num_batched_tokens=16,
-                                     tensor_parallel_size=tp, **kw))
-
-
 def _run(path, tp=1, **kw):
-    eng = _engine(path, tp, **kw)
+    eng = make_engine(path, tensor_parallel_size=tp, **kw)
     try:
         return engine_logits(eng, IDS), engine_generate(eng, PROMPTS, 12), eng
     finally:
@@ -129,7 +123,7 @@ def test_quantization_flag_and_checkpoint_must_agree(tmp_path):
     state["model.layers.1.mlp.down_proj.weight"] = torch.zeros(256, 256)
     save_file(state, str(quant / "model.safetensors"))
     with pytest.raises(ValueError, match="stored unquantized"):
-        _engine(quant)
+        make_engine(quant)
 
 
 @pytest.mark.parametrize("qc,match", [
@@ -180,15 +174,15 @@ def test_act_order_gptq_checkpoint_is_refused(tmp_path):
     state["model.layers.0.mlp.up_proj.g_idx"] = torch.randperm(256).to(torch.int32) // GROUP
     save_file(state, str(quant / "model.safetensors"))
     with pytest.raises(ValueError, match="act-order"):
-        _engine(quant)
+        make_engine(quant)
 
 
 def test_group_that_a_rank_cannot_hold_is_refused(tmp_path):
     """down_proj's 256 inputs over 4 ranks are 64 each: not a whole group of 128."""
     quant, _ = write_quantized(tmp_path, "w4a16")
     with pytest.raises(Exception, match="whole groups of 128"):
-        _engine(quant, tp=4)
-    _engine(quant, tp=2).close()          # the failed start left no group behind
+        make_engine(quant, tensor_parallel_size=4)
+    make_engine(quant, tensor_parallel_size=2).close()   # the failed start left no group behind
 
 
 def test_cli_quantization_choices_are_the_engines():
@@ -242,7 +236,7 @@ def test_gptq_zero_biases_are_skipped_and_a_missing_g_idx_under_desc_act_refused
     state["model.layers.0.mlp.up_proj.bias"] = torch.ones(256)
     save_file(state, str(path))
     with pytest.raises(ValueError, match="unexpected tensor"):
-        _engine(quant)
+        make_engine(quant)
     del state["model.layers.0.mlp.up_proj.bias"]
     for name in [n for n in state if n.endswith(".g_idx")]:
         del state[name]
@@ -251,4 +245,4 @@ def test_gptq_zero_biases_are_skipped_and_a_missing_g_idx_under_desc_act_refused
     cfg["quantization_config"]["desc_act"] = True
     (quant / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="no g_idx"):
-        _engine(quant)
+        make_engine(quant)

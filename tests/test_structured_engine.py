@@ -5,15 +5,16 @@ the same batch; n > 1 choices each follow the grammar."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
 import pytest
 
-from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import Request, SamplingParams
 from engine.structured import GrammarCompiler, StructuredSpec
+from tests.conftest import make_engine
 
 SCHEMA = {
     "type": "object",
@@ -64,11 +65,10 @@ def tokenizer(model_dir):
     return Tokenizer(model_dir)
 
 
-def _engine(model_dir, speculative="off"):
-    cfg = EngineConfig(num_blocks=256, block_size=16, max_num_batched_tokens=256,
-                       max_num_seqs=16, speculative=speculative, num_speculative_tokens=4,
-                       max_model_len=2048)
-    return Engine(model_dir, cfg)
+# the real model's prompts and outputs: blocks of 16 tokens, room for 2048 per sequence
+engine = functools.partial(make_engine, num_blocks=256, block_size=16,
+                           max_num_batched_tokens=256, max_num_seqs=16,
+                           num_speculative_tokens=4, max_model_len=2048)
 
 
 def _run(eng: Engine, reqs: list[Request]) -> dict[tuple[str, int], list[int]]:
@@ -103,7 +103,7 @@ def test_outputs_parse_and_validate_in_one_batch(model_dir, compiler, tokenizer,
          dict(temperature=0)),
         ("free", "Say hello.", None, dict(temperature=0, max_tokens=12)),
     ]
-    eng = _engine(model_dir, speculative)
+    eng = engine(model_dir, speculative=speculative)
     reqs = [_request(rid, tokenizer, compiler, q, spec, **p) for rid, q, spec, p in cases]
     got = _run(eng, reqs)
     eos = set(eng.model_cfg.eos_token_ids)
@@ -121,7 +121,7 @@ def test_choices_each_follow_the_grammar(model_dir, compiler, tokenizer):
     spec = StructuredSpec("json_schema", json.dumps(SCHEMA))
     req = _request("n", tokenizer, compiler, "Describe a person as JSON.", spec,
                    temperature=1.0, seed=8, n=3)
-    eng = _engine(model_dir)
+    eng = engine(model_dir)
     got = _run(eng, [req])
     eos = set(eng.model_cfg.eos_token_ids)
     outs = [tokenizer.decode([t for t in got[("n", c)] if t not in eos]) for c in range(3)]
@@ -141,7 +141,7 @@ def test_min_tokens_holds_the_end_back_unless_the_grammar_must_end(model_dir, co
     obj = StructuredSpec("json_object")
     small = _request("obj", tokenizer, compiler, "Return {\"ok\": true} as JSON.", obj,
                      temperature=0, max_tokens=60, min_tokens=50)
-    eng = _engine(model_dir)
+    eng = engine(model_dir)
     got = _run(eng, [free, held, small])
     assert len(got[("free", 0)]) < 24, "the test needs an output that ends on its own early"
     assert len(got[("held", 0)]) >= 24
@@ -154,10 +154,7 @@ def test_a_token_the_grammar_refuses_ends_the_request_with_an_error(model_dir, c
                                                                    tokenizer):
     """A first token from elsewhere (a prefill worker) that the decode worker's grammar does
     not allow: the request fails loudly and frees its blocks."""
-    from dataclasses import replace as dc_replace
-
-    cfg = dc_replace(_engine(model_dir).cfg, role="decode")
-    eng = Engine(model_dir, cfg)
+    eng = engine(model_dir, role="decode")
     req = _request("bad", tokenizer, compiler, "Pick.",
                    StructuredSpec("choice", json.dumps(CHOICES)), temperature=0)
     assert eng.reserve_remote(req) is not None
