@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 
-def wait_until(pred, timeout_s: float, what: str, procs=(), interval_s: float = 0.2) -> None:
+def wait_until(pred, timeout_s: float, what, procs=(), interval_s: float = 0.2) -> None:
     """Return once pred() is true; TimeoutError naming `what` (a string, or a function giving
     one: the state at the deadline) when it is still false after timeout_s. `procs`: (Popen, log
     path) pairs; one that exits ends the wait with its log."""
@@ -18,7 +18,7 @@ def wait_until(pred, timeout_s: float, what: str, procs=(), interval_s: float = 
     while True:
         for p, log in procs:
             if p.poll() is not None:
-                raise RuntimeError(f"{what}: process exited with {p.returncode}; log:\n"
+                raise RuntimeError(f"{_name(what)}: process exited with {p.returncode}; log:\n"
                                    + Path(log).read_text()[-3000:])
         if pred():
             return
