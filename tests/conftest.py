@@ -13,7 +13,6 @@ if not os.environ.get("PDSERVE_TEST_DEVICE", "").startswith("cuda"):
 import shutil
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -44,17 +43,19 @@ class RedisServer:
     def _wait_ready(self, timeout_s: float = 10.0) -> None:
         import redis
 
+        from tests.waiting import wait_until
+
         client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
-        deadline = time.monotonic() + timeout_s
+
+        def answers() -> bool:
+            try:
+                return client.ping()
+            except redis.ConnectionError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"redis-server on port {self.port} exited") from None
+                return False
         try:
-            while True:
-                try:
-                    if client.ping():
-                        return
-                except redis.ConnectionError:
-                    if self.proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"redis-server did not start on port {self.port}")
-                    time.sleep(0.05)
+            wait_until(answers, timeout_s, f"redis-server on port {self.port}", interval_s=0.05)
         finally:
             client.close()
 
