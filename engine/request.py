@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
+
+import engine.sampling_limits as limits
 
 
 class Status(enum.Enum):
@@ -14,7 +15,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-MAX_CHOICES = 16      # n of one request, at most
+MAX_CHOICES = limits.MAX_CHOICES
 
 
 def choice_seed(seed: int, choice: int) -> int:
@@ -61,26 +62,22 @@ class SamplingParams:
     structured: object | None = None     # engine.structured.StructuredSpec, or None
 
     def __post_init__(self) -> None:
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
-        if any(not math.isfinite(b) or abs(b) > 100 for _, b in self.logit_bias):
-            raise ValueError("logit_bias values must be finite, in [-100, 100]")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name, allowed in (("temperature", limits.TEMPERATURE), ("top_p", limits.TOP_P),
+                              ("min_p", limits.MIN_P),
+                              ("presence_penalty", limits.PRESENCE_PENALTY),
+                              ("frequency_penalty", limits.FREQUENCY_PENALTY),
+                              ("repetition_penalty", limits.REPETITION_PENALTY)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be in {allowed}, got {getattr(self, name)}")
+        if any(b not in limits.LOGIT_BIAS for _, b in self.logit_bias):
+            raise ValueError(f"logit_bias values must be in {limits.LOGIT_BIAS}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not 0 <= self.top_logprobs <= 20:
-            raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not -2 <= self.presence_penalty <= 2 or not -2 <= self.frequency_penalty <= 2:
-            raise ValueError("presence_penalty and frequency_penalty must be in [-2, 2], got "
-                             f"{self.presence_penalty} and {self.frequency_penalty}")
-        if not 0 < self.repetition_penalty <= 2:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got "
-                             f"{self.repetition_penalty}")
+        if not 0 <= self.top_logprobs <= limits.MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {limits.MAX_TOP_LOGPROBS}], got "
+                             f"{self.top_logprobs}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got "
                              f"{self.min_tokens}")

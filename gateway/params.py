@@ -14,6 +14,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Literal, Sequence
 
+import engine.sampling_limits as limits
 from gateway.errors import GatewayError, bad_request
 from gateway.chat_template import ChatTemplateError
 from gateway.tokenizer import Tokenizer
@@ -21,7 +22,7 @@ from gateway.wire import check_ints
 from proto import pdserve_pb2
 
 MAX_STOP_STRINGS = 16
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = limits.MAX_TOP_LOGPROBS
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 SEED_LIMIT = 2 ** 64
 MAX_CACHE_SALT = 256
@@ -49,7 +50,7 @@ class Prompt:
 
 
 STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
-MAX_N = 16
+MAX_N = limits.MAX_CHOICES
 MAX_LOGIT_BIAS = 1024
 MAX_STOP_TOKEN_IDS = 64
 MAX_STRUCTURED_CHARS = 64 * 1024     # a JSON schema, regex or grammar (its compile is the cost)
@@ -134,12 +135,12 @@ class GenerationParams:
 
     def _check(self) -> None:
         _check_finite(self.temperature, "temperature")
-        if not 0.0 <= self.temperature <= 2.0:
-            raise bad_request(f"temperature must be between 0 and 2, got {self.temperature}",
-                              "temperature")
+        if self.temperature not in limits.TEMPERATURE:
+            raise bad_request(f"temperature must be between {limits.TEMPERATURE.lo:g} and "
+                              f"{limits.TEMPERATURE.hi:g}, got {self.temperature}", "temperature")
         _check_finite(self.top_p, "top_p")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad_request(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_p not in limits.TOP_P:
+            raise bad_request(f"top_p must be in {limits.TOP_P}, got {self.top_p}", "top_p")
         if self.top_k < -1:
             raise bad_request(f"top_k must be -1 or 0 (off) or a positive number, got "
                               f"{self.top_k}", "top_k")
@@ -172,10 +173,10 @@ class GenerationParams:
         check_ints(self, dict(self.aliases))
 
     def _check_penalties(self) -> None:
-        _check_range(self.min_p, 0.0, 1.0, "min_p")
-        _check_range(self.presence_penalty, -2.0, 2.0, "presence_penalty")
-        _check_range(self.frequency_penalty, -2.0, 2.0, "frequency_penalty")
-        _check_range(self.repetition_penalty, 0.0, 2.0, "repetition_penalty", open_low=True)
+        _check_range(self.min_p, limits.MIN_P, "min_p")
+        _check_range(self.presence_penalty, limits.PRESENCE_PENALTY, "presence_penalty")
+        _check_range(self.frequency_penalty, limits.FREQUENCY_PENALTY, "frequency_penalty")
+        _check_range(self.repetition_penalty, limits.REPETITION_PENALTY, "repetition_penalty")
         if self.min_tokens < 0:
             raise bad_request(f"min_tokens must be >= 0, got {self.min_tokens}", "min_tokens")
 
@@ -240,14 +241,12 @@ def _check_finite(value: float, param: str) -> None:
         raise bad_request(f"{param} must be a finite number, got {value}", param)
 
 
-def _check_range(value: float | None, lo: float, hi: float, param: str,
-                 open_low: bool = False) -> None:
+def _check_range(value: float | None, allowed: limits.Range, param: str) -> None:
     if value is None:
         return
     _check_finite(value, param)
-    if value < lo or value > hi or (open_low and value == lo):
-        where = f"({lo:g}, {hi:g}]" if open_low else f"[{lo:g}, {hi:g}]"
-        raise bad_request(f"{param} must be in {where}, got {value}", param)
+    if value not in allowed:
+        raise bad_request(f"{param} must be in {allowed}, got {value}", param)
 
 
 def _logit_bias(bias: Iterable[tuple[Any, float]]) -> tuple[tuple[int, float], ...]:
@@ -265,8 +264,9 @@ def _logit_bias(bias: Iterable[tuple[Any, float]]) -> tuple[tuple[int, float], .
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
                               "logit_bias") from None
         _check_finite(float(value), "logit_bias")
-        if not -100.0 <= value <= 100.0:
-            raise bad_request(f"logit_bias values must be in [-100, 100], got {value} for "
+        if value not in limits.LOGIT_BIAS:
+            raise bad_request(f"logit_bias values must be in {limits.LOGIT_BIAS}, got {value} "
+                              f"for "
                               f"token {tok}", "logit_bias")
         out[tok] = float(value)
     return tuple(sorted(out.items()))
