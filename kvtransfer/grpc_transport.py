@@ -48,6 +48,8 @@ from proto import pdserve_pb2 as pb
 MAX_MESSAGE = 256 << 20
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE),
                    ("grpc.max_receive_message_length", MAX_MESSAGE)]
+# The receiver's initial metadata on a PushKV call it took (the sender writes only then).
+ACCEPTED = ("x-pdserve-kv-accepted", "1")
 PUSH_KV = f"/{pb.DESCRIPTOR.services_by_name['DecodeWorker'].full_name}/PushKV"
 
 
@@ -75,6 +77,17 @@ class _GrpcSendStream(KVSendStream):
         self._result = asyncio.ensure_future(self._finish_call())
 
     async def _messages(self):
+        # Nothing is written before the receiver has accepted the call (its initial metadata
+        # carries ACCEPTED): a call refused at once (a wrong token) ends with no write, so the
+        # sender sees the receiver's status. A write racing that end would turn the status
+        # into INTERNAL "Internal error from Core" (gRPC Python's asyncio client,
+        # grpc/grpc#36066).
+        try:
+            metadata = await self._call.initial_metadata()
+        except grpc.aio.AioRpcError:
+            return                              # the call's status says why (_finish_call)
+        if ACCEPTED not in tuple(metadata or ()):
+            return                              # refused: trailers only, the status follows
         while (msg := await self._out.get()) is not None:
             yield msg
 
@@ -213,6 +226,7 @@ class GrpcKVReceiver(KVReceiver):
         transfer breaks a rule is rejected (the sink fails it or computes it) and the call ends
         with INVALID_ARGUMENT (DATA_LOSS for corrupted KV, NOT_FOUND without a reservation)."""
         received = 0
+        await context.send_initial_metadata((ACCEPTED,))   # the sender may write now
         async for chunk in requests:
             try:
                 check_layout(self.sink.layout, layout_from_pb(chunk.layout))

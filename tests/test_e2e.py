@@ -263,14 +263,16 @@ def test_client_disconnect_frees_request_on_every_worker(stack, http):
     req = {"model": "SmolLM2-135M-Instruct", "prompt": PLAIN[2], "max_tokens": 2000,
            "temperature": 0, "ignore_eos": True, "stream": True}
     with http.stream("POST", "/v1/completions", json=req) as r:
-        n = 0
+        events = []
         for line in r.iter_lines():
-            n += line.startswith("data: ")
-            if n >= 3:
+            if line.startswith("data: "):
+                events.append(line)
+            if len(events) >= 3:
                 break
+        assert all('"error"' not in e and e != "data: [DONE]" for e in events), events
         workers = stack.proc("prefill"), stack.proc("decode")
         assert not idle(*workers), ("the request should be running while we read it",
-                                    [worker_stats(p) for p in workers])
+                                    [worker_stats(p) for p in workers], events)
     wait_idle(*workers, timeout_s=20)
 
 
