@@ -92,6 +92,7 @@ class Engine:
         self.proposer, self.spec = self._speculation(draft_model)
         self._proposals: dict[str, Proposal] = {}    # this step's, by request id
         self.batch = BatchBuilder(self.kv_manager.block_table, m.vocab_size)
+        self._timed: dict[str, Request] = {}         # requests with a Timeline, until they end
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do with one); idempotent."""
@@ -164,19 +165,32 @@ class Engine:
     def add_request(self, req: Request) -> None:
         self.check_fits(req)
         self.scheduler.add(req)
+        if req.timeline is not None:
+            self._timed[req.request_id] = req
 
     def reserve_remote(self, req: Request) -> list[int] | None:
         self.check_fits(req)
-        return self.scheduler.reserve_remote(req)
+        blocks = self.scheduler.reserve_remote(req)
+        if req.timeline is not None and blocks is not None:
+            req.timeline.reserved_ns = time.time_ns()
+            self._timed[req.request_id] = req
+        return blocks
 
     def remote_ready(self, request_id: str, first_token: int,
                      logprob: TokenLogprob | None) -> RequestOutput | None:
-        return self.scheduler.remote_ready(request_id, first_token, logprob)
+        timed = self._timed.get(request_id)
+        out = self.scheduler.remote_ready(request_id, first_token, logprob)
+        if timed is not None and out is not None:
+            tl = timed.timeline
+            tl.loaded_ns = tl.first_token_ns = time.time_ns()
+            tl.output_tokens += len(out.new_token_ids)
+        return out
 
     def abort(self, request_id: str) -> bool:
         """Abort a request and every choice of it."""
         for i in range(MAX_CHOICES):
             self._forget(request_id if i == 0 else f"{request_id}#{i}")
+        self._timed.pop(request_id, None)
         return self.scheduler.abort(request_id)
 
     def abort_choice(self, request_id: str, choice: int) -> RequestOutput | None:
@@ -184,6 +198,7 @@ class Engine:
         when it was not running."""
         rid = request_id if choice == 0 else f"{request_id}#{choice}"
         self._forget(rid)
+        self._timed.pop(rid, None)
         if not self.scheduler.abort(rid, group=False):
             return None
         return RequestOutput(rid, [], [], "abort", choice=choice,
@@ -263,13 +278,55 @@ class Engine:
         prompt = sum(min(s.num_new_tokens, max(s.request.num_prompt_tokens
                                                - s.request.num_computed_tokens, 0))
                      for s in sched.scheduled)          # before update() advances them
+        timed = self._timed_in(sched) if self._timed else None
         t_fwd = time.perf_counter()
         result = self.runner.execute(self.batch.inputs(sched, self._proposals))
         tokens, logprobs = self.batch.tokens(sched, result, self._proposals)
         forward_s = time.perf_counter() - t_fwd
         outputs = self.scheduler.update(sched, tokens, logprobs)
         self._after_step(sched, tokens, outputs, prompt, t0, forward_s)
+        if timed is not None:
+            self._record_timelines(timed, sched, outputs)
         return outputs
+
+    def _timed_in(self, sched: SchedulerOutput) -> list[tuple[Request, int, int]]:
+        """Before the step: its requests that have a Timeline, with the prompt tokens it
+        computes for each and when it started (epoch ns)."""
+        now = time.time_ns()
+        out = []
+        for s in sched.scheduled:
+            req = self._timed.get(s.request.request_id)
+            if req is s.request:
+                prompt = min(s.num_new_tokens,
+                             max(req.num_prompt_tokens - req.num_computed_tokens, 0))
+                out.append((req, prompt, now))
+        return out
+
+    def _record_timelines(self, timed: list[tuple[Request, int, int]], sched: SchedulerOutput,
+                          outputs: list[RequestOutput]) -> None:
+        """After the step: what it did for each request with a Timeline (see Timeline)."""
+        now = time.time_ns()
+        for req, prompt, start in timed:
+            tl = req.timeline
+            tl.scheduled_ns = tl.scheduled_ns or start
+            if prompt:
+                tl.chunks.append((start, now, prompt))
+            else:
+                tl.decode_steps += 1
+        for rid in sched.preempted:
+            if rid in self._timed:
+                self._timed[rid].timeline.preempted_ns.append(now)
+        for o in outputs:
+            req = self._timed.get(o.request_id)
+            if req is None:
+                continue
+            tl = req.timeline
+            if o.new_token_ids:
+                tl.output_tokens += len(o.new_token_ids)
+                tl.first_token_ns = tl.first_token_ns or now
+            if o.finished:
+                tl.finished_ns = now
+                del self._timed[o.request_id]
 
     def _copy_forks(self) -> None:
         """The block copies of forked choices (n > 1), before the step that reads them."""
@@ -295,6 +352,10 @@ class Engine:
             for s, accepted in spec:
                 rid = s.request.request_id
                 self.spec.record(rid, s.num_spec, accepted, self._proposals[rid].kind)
+                timed = self._timed.get(rid)
+                if timed is not None:
+                    timed.timeline.spec_proposed += s.num_spec
+                    timed.timeline.spec_accepted += accepted
                 self.proposer.verified(s.request)
             for o in outputs:
                 if o.finished:

@@ -108,6 +108,31 @@ class TokenLogprob:
 
 
 @dataclass
+class Timeline:
+    """When things happened to one request in the engine (epoch ns, time.time_ns; 0: not yet),
+    for its trace and its timing block. Recorded only for a request whose `timeline` is set
+    (traced, or timing asked for): the engine then does this bookkeeping for it once per step it
+    is in; a request without one costs nothing.
+
+    `chunks`: (step start, step end, prompt tokens computed) of each step that computed prompt
+    tokens (chunked prefill, a recompute after preemption); steps that only sampled count in
+    `decode_steps`."""
+
+    arrived_ns: int                       # handed to the engine (add, reserve)
+    reserved_ns: int = 0                  # decode: blocks reserved for the prompt's KV
+    loaded_ns: int = 0                    # decode: the prompt's KV and first token arrived
+    scheduled_ns: int = 0                 # the first step that computed any of it
+    first_token_ns: int = 0
+    finished_ns: int = 0
+    chunks: list[tuple[int, int, int]] = field(default_factory=list)
+    preempted_ns: list[int] = field(default_factory=list)
+    decode_steps: int = 0
+    output_tokens: int = 0
+    spec_proposed: int = 0                # speculative tokens verified for it, and accepted
+    spec_accepted: int = 0
+
+
+@dataclass
 class Request:
     """Token state of one sequence.
 
@@ -146,6 +171,7 @@ class Request:
     # engine.structured.GrammarMatcher of the output so far (params.structured set; the worker
     # compiles the grammar and sets it before the request reaches the engine)
     structured_state: object | None = None
+    timeline: Timeline | None = None      # set by the worker for a traced / timed request
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

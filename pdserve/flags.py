@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from cluster.paths import default_model_dir
+from cluster.tracing import PROTOCOLS as OTLP_PROTOCOLS
 
 # engine.config.QUANTIZATION_CHOICES (written out here: --help does not import torch)
 QUANTIZATION_CHOICES = ["none", "int8", "gptq", "awq", "compressed-tensors", "w4a16", "w8a8"]
@@ -50,6 +51,19 @@ def add_deployment_security(p: argparse.ArgumentParser) -> None:
                    help="CA of a TLS Redis (rediss:// URLs); default: the system's CAs")
 
 
+def add_tracing(p: argparse.ArgumentParser) -> None:
+    """OpenTelemetry tracing (cluster/tracing.py); every process has it, `pdserve up` passes it
+    to all three."""
+    g = p.add_argument_group("tracing (OpenTelemetry)")
+    g.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send request traces over OTLP to this collector, e.g. "
+                        "http://127.0.0.1:4317 (off unless set here or in "
+                        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT)")
+    g.add_argument("--otlp-traces-protocol", default=None, choices=OTLP_PROTOCOLS,
+                   help="OTLP over gRPC or HTTP/protobuf (default: "
+                        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, else grpc)")
+
+
 def add_cpu_paths(p: argparse.ArgumentParser) -> None:
     """--linear-method and --cpu-attention: force a CPU path (workers, stepbench)."""
     p.add_argument("--linear-method", default="auto", choices=LINEAR_METHODS,
@@ -87,6 +101,7 @@ def add_worker(p: argparse.ArgumentParser, role: str, port: int) -> None:
                    help="HTTP port of GET /metrics (Prometheus); default: gRPC port + 100; "
                         "0 turns it off")
     add_deployment_security(p)
+    add_tracing(p)
     p.add_argument("--log-level", default="INFO")
 
 
@@ -250,6 +265,7 @@ def add_gateway(p: argparse.ArgumentParser) -> None:
     auth.add_argument("--ssl-ca-certs", default=None, metavar="PEM",
                       help="require client certificates signed by this CA (mutual TLS)")
     add_deployment_security(p)
+    add_tracing(p)
     p.add_argument("--log-level", default="INFO")
 
 
