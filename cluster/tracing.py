@@ -162,26 +162,32 @@ class Phase:
 class Tracing:
     """One process's tracer, or nothing (`Tracing.off()`)."""
 
-    def __init__(self, settings: TracingSettings) -> None:
+    def __init__(self, settings: TracingSettings, exporter=None) -> None:
+        """`exporter`: a span exporter used instead of OTLP (on even without an endpoint),
+        each span handed over as it ends: e.g. the SDK's InMemorySpanExporter in tests."""
         self.settings = settings
         self._provider = None
         self._tracer = None
         self._propagator = None
-        if settings.endpoint is None:
+        if settings.endpoint is None and exporter is None:
             return
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         provider = TracerProvider(resource=Resource.create(
             {"service.name": settings.service_name}))
-        provider.add_span_processor(BatchSpanProcessor(_exporter(settings),
-                                                       schedule_delay_millis=500))
+        if exporter is not None:
+            provider.add_span_processor(SimpleSpanProcessor(exporter))
+        else:
+            provider.add_span_processor(BatchSpanProcessor(_exporter(settings),
+                                                           schedule_delay_millis=500))
         self._provider = provider
         self._tracer = provider.get_tracer("pdserve")
         self._propagator = TraceContextTextMapPropagator()
-        log.info("tracing on: OTLP %s to %s as service %r", settings.protocol, settings.endpoint,
+        log.info("tracing on: %s as service %r", f"OTLP {settings.protocol} to "
+                 f"{settings.endpoint}" if exporter is None else "a given exporter",
                  settings.service_name)
 
     @classmethod
