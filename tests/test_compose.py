@@ -10,6 +10,7 @@ installed. The CPU stack is `docker-compose.yml` alone; the GPU variants are
 from __future__ import annotations
 
 import functools
+import os
 import re
 import shutil
 import subprocess
@@ -27,6 +28,7 @@ MODEL = "/models/SmolLM2-135M-Instruct"
 REDIS_URL = "redis://redis:6379/0"
 PORTS = {"prefill": "50061", "decode": "50071"}
 BASE_SERVICES = {"secrets", "redis", "model", "prefill", "decode", "gateway"}
+ROLES = ("prefill", "decode", "gateway")
 PDSERVE_SERVICES = ("secrets", "model", "prefill", "decode", "gateway")
 SECRET_FLAGS = ["--cluster-token-file", "/secrets/cluster-token",
                 "--redis-password-file", "/secrets/redis-password"]
@@ -46,7 +48,11 @@ GPU_CAPS = {"IPC_LOCK", "SYS_PTRACE", "SYS_NICE"}
 CUDA_IMAGE = "pdserve:cuda"
 CUDA_BUILD_ARGS = {"TORCH_INDEX_URL": "https://pypi.org/simple"}
 # Keys a GPU override may add to a service; none of them may appear in the CPU stack.
-GPU_ONLY_KEYS = {"deploy", "ipc", "pid", "ulimits", "cap_add", "environment", "shm_size"}
+# (environment too, but for TRACING_ENV, which every serving service has.)
+GPU_ONLY_KEYS = {"deploy", "ipc", "pid", "ulimits", "cap_add", "shm_size"}
+# The host's OpenTelemetry settings, passed to the gateway and every worker; empty: tracing off.
+TRACING_VARS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+TRACING_ENV = dict.fromkeys(TRACING_VARS, "")
 
 # The 8-GPU layout: service -> (role, GPU).
 GPU8_LAYOUT = {
@@ -76,7 +82,9 @@ def gpu_worker_command(role: str, advertise: str, gpu: int) -> list[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _config(*files: Path) -> dict:
+def _config(*files: Path, tracing: tuple[tuple[str, str], ...] = ()) -> dict:
+    """The normalized config, with the host's tracing variables unset but for `tracing`."""
+    env = {k: v for k, v in os.environ.items() if k not in TRACING_VARS} | dict(tracing)
     exe = shutil.which("docker-compose")
     if exe is None:
         pytest.skip("docker-compose is not installed (apt-get install docker-compose)")
@@ -84,7 +92,7 @@ def _config(*files: Path) -> dict:
     for f in files:
         args += ["-f", str(f)]
     proc = subprocess.run(args + ["config"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+                          timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr
     return yaml.safe_load(proc.stdout)
 
@@ -211,6 +219,10 @@ def test_cpu_stack_has_no_gpu_settings(normalized):
         assert svc["build"] == {"context": str(ROOT)}  # no build args: the Dockerfile's CPU torch
     for role in ("prefill", "decode"):
         assert normalized["services"][role]["command"] == cpu_worker_command(role, role)
+    for name in ("prefill", "decode", "gateway"):
+        assert normalized["services"][name]["environment"] == TRACING_ENV, name
+    for name in ("secrets", "model", "redis"):
+        assert "environment" not in normalized["services"][name], name
 
 
 # --------------------------------------------------------------------------- the GPU variants
@@ -224,7 +236,7 @@ def _check_gpu_worker(svc: dict, gpus: list[str]) -> None:
     assert svc["pid"] == "host"
     assert svc["ulimits"] == {"memlock": -1}
     assert set(svc["cap_add"]) == GPU_CAPS and len(svc["cap_add"]) == len(GPU_CAPS)
-    assert svc["environment"] == GPU_ENV
+    assert svc["environment"] == GPU_ENV | TRACING_ENV
     # With the host's IPC namespace /dev/shm is the host's: a shm_size would be ignored.
     assert "shm_size" not in svc
     # What the CPU stack gives a worker, unchanged.
@@ -312,9 +324,25 @@ def test_gpu_overrides_only_add_gpu_settings(variant, normalized, request):
         cpu, gpu = normalized["services"][role], config["services"][role]
         assert set(gpu) - set(cpu) == GPU_ONLY_KEYS - {"shm_size"}
         assert set(cpu) <= set(gpu)
-        for key in set(cpu) - {"image", "build", "command"}:
+        assert gpu["environment"] == cpu["environment"] | GPU_ENV
+        for key in set(cpu) - {"image", "build", "command", "environment"}:
             assert gpu[key] == cpu[key], (role, key)
         assert gpu["command"][:len(cpu["command"])] == cpu["command"]
+
+
+@pytest.mark.parametrize("files", [(COMPOSE,), (COMPOSE, GPU2), (COMPOSE, GPU8),
+                                   (COMPOSE, GPU_TP)], ids=["cpu", "gpu2", "gpu8", "gpu_tp"])
+def test_the_hosts_otlp_endpoint_reaches_every_serving_process(files):
+    """`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT=http://collector:4317 docker compose up` traces the
+    gateway and every worker (the 8-GPU file's added workers too)."""
+    sent = (("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://collector:4317"),
+            ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf"))
+    services = _config(*files, tracing=sent)["services"]
+    serving = [n for n, svc in services.items() if svc["command"][0] in ROLES]
+    assert {"prefill", "decode", "gateway"} <= set(serving)
+    for name in serving:
+        env = services[name]["environment"]
+        assert {k: env.get(k) for k, _ in sent} == dict(sent), name
 
 
 # --------------------------------------------------------------------------- what the workers load
