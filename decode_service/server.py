@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
@@ -19,7 +20,9 @@ from kvtransfer.connector import EngineSink
 from kvtransfer.wire import logprob_to_pb, target_to_pb
 from cluster.auth import ClusterAuth
 from cluster.metrics import WorkerMetrics
+from cluster.tracing import Tracing
 from serving.params import request_from_pb
+from serving.tracing import decode_phase, decode_timing, start_timeline, traced_call
 from serving.worker import (ADMISSION_ERRORS, Grammars, WorkerIdentity, output_error_code, refuse,
                             serve, worker_stats)
 from proto import pdserve_pb2 as pb
@@ -50,11 +53,12 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
     def __init__(self, aengine: AsyncEngine, ident: WorkerIdentity, transport: str,
                  metrics: WorkerMetrics, timeout_s: float = 300.0,
                  on_timeout: str = "fail", checksum: bool = True,
-                 auth: ClusterAuth | None = None) -> None:
+                 auth: ClusterAuth | None = None, tracing: Tracing | None = None) -> None:
         if on_timeout not in ("fail", "recompute"):
             raise ValueError(f"on_timeout must be 'fail' or 'recompute', got {on_timeout!r}")
         self.aengine = aengine
         self.ident = ident
+        self.tracing = tracing or Tracing.off()
         self.transfers = metrics.transfers(transport)
         self.sink = EngineSink(aengine, self.transfers, self._give_up)
         # the torch transport's store and collectives are held to the transfer timeout too
@@ -101,6 +105,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
+        parent, timed = traced_call(self.tracing, context, request.return_timing)
         try:
             if "#" in rid:
                 raise ValueError(f"request id {rid!r} contains '#' (reserved for the ids of a "
@@ -110,6 +115,32 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
             queue = self.aengine.open_stream(rid, req.params.n)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not timed:
+            async for event in self._decode(request, context, req, queue):
+                yield event
+            return
+        start_timeline(req)
+        error, finished = "", False
+        try:
+            async for event in self._decode(request, context, req, queue):
+                if request.return_timing and event.tokens.finish_reason:
+                    event.tokens.timing.CopyFrom(decode_timing(
+                        self.ident.id, req, request.local_prefill, time.time_ns()))
+                finished = finished or bool(event.tokens.finish_reason)
+                yield event
+        except (asyncio.CancelledError, GeneratorExit):
+            raise                               # the gateway ended the stream
+        except BaseException as exc:
+            error = str(exc) or type(exc).__name__
+            raise
+        finally:
+            self.tracing.record(decode_phase(req, request.local_prefill, time.time_ns(), error,
+                                             cancelled=not finished and not error),
+                                parent, "server")
+
+    async def _decode(self, request: pb.DecodeRequest, context, req, queue):
+        """The stream's events: the reservation (unless local), then the tokens."""
+        rid = request.request_id
         finished = False
         done: set[int] = set()          # choices finished
         self._open.add(rid)
@@ -171,13 +202,15 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         for task in list(self._pending):
             task.cancel()
         await self.receiver.close()
+        self.tracing.shutdown()
 
 
 def main(args) -> int:
     def add(server, aengine, ident, metrics, auth):
         servicer = DecodeServicer(aengine, ident, args.kv_transport, metrics,
                                   args.kv_transfer_timeout, args.kv_load_failure,
-                                  args.kv_checksum == "on", auth)
+                                  args.kv_checksum == "on", auth,
+                                  Tracing.from_args(args, "pdserve-decode"))
         pb_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
         return servicer
 

@@ -24,7 +24,9 @@ from kvtransfer import (KVTransferError, LayoutMismatch, block_bytes, check_layo
 from kvtransfer.wire import target_from_pb
 from cluster.auth import ClusterAuth
 from cluster.metrics import WorkerMetrics
+from cluster.tracing import Tracing
 from serving.params import request_from_pb
+from serving.tracing import Transfer, prefill_phase, prefill_timing, start_timeline, traced_call
 from serving.worker import (ADMISSION_ERRORS, Grammars, WorkerIdentity, output_error_code, refuse,
                             serve, worker_stats)
 from proto import pdserve_pb2 as pb
@@ -36,10 +38,14 @@ log = logging.getLogger(__name__)
 class PrefillServicer(pb_grpc.PrefillWorkerServicer):
     def __init__(self, aengine: AsyncEngine, ident: WorkerIdentity, transport: str,
                  metrics: WorkerMetrics, timeout_s: float = 30.0,
-                 checksum: bool = True, auth: ClusterAuth | None = None) -> None:
+                 checksum: bool = True, auth: ClusterAuth | None = None,
+                 tracing: Tracing | None = None) -> None:
         """checksum: send the checksums of the blocks (--kv-checksum); auth: the deployment
-        token the sender's connections carry (None: an open deployment)."""
+        token the sender's connections carry (None: an open deployment); tracing: where the
+        requests' spans go (serving/tracing.py)."""
         self.aengine = aengine
+        self.tracing = tracing or Tracing.off()
+        self.checksum = checksum
         self.ident = ident
         self.layout = aengine.engine.layout
         self.block_bytes = block_bytes(self.layout)
@@ -79,8 +85,29 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         return target, req
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
-        rid = request.request_id
+        parent, timed = traced_call(self.tracing, context, request.return_timing)
         target, req = await self._accept(request, context)
+        if not timed:
+            return await self._prefill(request, context, target, req, None)
+        start_timeline(req)
+        transfer = Transfer(self.sender.name, "on" if self.checksum else "off")
+        error = ""
+        try:
+            reply = await self._prefill(request, context, target, req, transfer)
+        except BaseException as exc:
+            error = str(exc) or type(exc).__name__
+            raise
+        finally:
+            ended = time.time_ns()
+            self.tracing.record(prefill_phase(req, transfer, ended, error), parent, "server")
+        if request.return_timing:
+            reply.timing.CopyFrom(prefill_timing(self.ident.id, req, transfer, ended))
+        return reply
+
+    async def _prefill(self, request: pb.PrefillRequest, context, target, req,
+                       transfer: Transfer | None) -> pb.PrefillReply:
+        """The call's work; `transfer` (traced or timed calls) gets what the KV transfer did."""
+        rid = request.request_id
         t0 = time.perf_counter()
         queue = stream = None
         done = False
@@ -98,6 +125,10 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             done = True
             t2 = time.perf_counter()
             moved = sent - target.num_cached_blocks
+            if transfer is not None:
+                transfer.blocks, transfer.bytes = moved, moved * self.block_bytes
+                transfer.last_ns = time.time_ns()
+                transfer.first_block_ns = transfer.last_ns - int((t2 - (t_send or t1)) * 1e9)
             self.transfers.done(moved, self.block_bytes, t2 - (t_send or t1))
             log.info("request %s: %d prompt tokens (%d cached here) prefilled in %.3f s; %d "
                      "blocks sent to %s, %.3f s of transfer after the last chunk", rid,
@@ -105,6 +136,10 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                      target.engine_id, t2 - t1)
         except KVTransferError as exc:
             self.transfers.failed("send")
+            if transfer is not None:
+                transfer.error = str(exc)
+                transfer.checksum = "failed" if "checksum" in str(exc).lower() else \
+                    transfer.checksum
             await context.abort(grpc.StatusCode.ABORTED, str(exc))
         finally:
             try:
@@ -158,12 +193,14 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
 
     async def close(self) -> None:
         await self.sender.close()
+        self.tracing.shutdown()
 
 
 def main(args) -> int:
     def add(server, aengine, ident, metrics, auth):
         servicer = PrefillServicer(aengine, ident, args.kv_transport, metrics,
-                                   args.kv_transfer_timeout, args.kv_checksum == "on", auth)
+                                   args.kv_transfer_timeout, args.kv_checksum == "on", auth,
+                                   Tracing.from_args(args, "pdserve-prefill"))
         pb_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
         return servicer
 
