@@ -27,6 +27,7 @@ from gateway.limits import InFlight
 from gateway.params import (GenerationParams, PreparedRequest, Prompt, RequestPreparer,
                             Structured)
 from gateway.pipeline import Pipeline
+from gateway.timing import RequestTrace
 from gateway.wire import Undecodable, parse_lenient
 from proto import pdserve_pb2, pdserve_pb2_grpc
 
@@ -79,9 +80,10 @@ def _structured(p: pdserve_pb2.SamplingParams) -> Structured | None:
 
 
 def _response(prepared: PreparedRequest, delta: Delta, text: str, used: dict[int, int],
-              finished: set[int]) -> pdserve_pb2.GenerateResponse:
+              finished: set[int], trace: RequestTrace) -> pdserve_pb2.GenerateResponse:
     """`used`: completion tokens per choice so far, `finished`: choices done (both updated
-    here); the usage goes on the last response of the request (every choice finished)."""
+    here); the usage (and the timing, when asked for) goes on the last response of the
+    request (every choice finished)."""
     out = pdserve_pb2.GenerateResponse(
         request_id=prepared.public_id, token_ids=delta.token_ids, text=text,
         finish_reason=delta.finish_reason or "", index=delta.index)
@@ -94,6 +96,8 @@ def _response(prepared: PreparedRequest, delta: Delta, text: str, used: dict[int
         if len(finished) == prepared.params.n:
             out.usage.prompt_tokens = prepared.num_prompt_tokens
             out.usage.completion_tokens = sum(used.values())
+            if trace.want_timing:
+                out.timing.CopyFrom(trace.to_proto())
     return out
 
 
@@ -112,20 +116,40 @@ class GenerationServicer(pdserve_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request is not a "
                                 "GenerateRequest the proto parser accepts (string fields must "
                                 f"be UTF-8): {request.reason}")
+        tracing = self.pipeline.tracing
+        parent = tracing.extract(context.invocation_metadata() or ()) if tracing.enabled else None
+        trace = RequestTrace(tracing, parent, want_timing=request.return_timing)
         try:
-            slots = self.admission.take()         # before any work: 429s come at once
-        except GatewayError as err:
-            await abort(context, err)
+            async with contextlib.aclosing(self._generate(request, context, trace)) as outs:
+                async for out in outs:
+                    yield out
+        finally:
+            trace.end()
+
+    async def _prepare(self, request, context, trace: RequestTrace
+                       ) -> tuple[Prompt, PreparedRequest]:
         try:
-            try:
+            with trace.phase("validate"):
                 prompt, params = request_to_shared(request)
+            with trace.phase("tokenize"):
                 # templating and tokenizing a long prompt takes a while: not on the event loop
                 prepared = await asyncio.to_thread(self.preparer.prepare, prompt, params,
                                                    request.model or None,
                                                    client_request_id=request.request_id,
                                                    cache_salt=request.cache_salt)
-            except GatewayError as err:
-                await abort(context, err)
+        except GatewayError as err:
+            await abort(context, err, trace)
+        trace.describe(prepared)
+        return prompt, prepared
+
+    async def _generate(self, request, context, trace: RequestTrace):
+        try:
+            with trace.phase("admission_wait"):
+                slots = self.admission.take()     # before any work: 429s come at once
+        except GatewayError as err:
+            await abort(context, err, trace)
+        try:
+            prompt, prepared = await self._prepare(request, context, trace)
             echo = ""
             if prepared.params.echo:
                 echo = prompt.text if prompt.text is not None else \
@@ -133,24 +157,26 @@ class GenerationServicer(pdserve_pb2_grpc.GenerationServicer):
             echoed: set[int] = set()
             used: dict[int, int] = {}
             finished: set[int] = set()
-            async with contextlib.aclosing(self.pipeline.generate(prepared)) as deltas:
+            async with contextlib.aclosing(self.pipeline.generate(prepared, trace)) as deltas:
                 try:
                     async for delta in deltas:
                         text = delta.text
                         if echo and delta.index not in echoed:
                             echoed.add(delta.index)
                             text = echo + text
-                        yield _response(prepared, delta, text, used, finished)
+                        yield _response(prepared, delta, text, used, finished, trace)
                 except GatewayError as err:
                     log.warning("request %s (client id %r) failed: %s", prepared.request_id,
                                 prepared.client_request_id, err)
-                    await abort(context, err)
+                    await abort(context, err, trace)
         finally:
             slots.release()
 
 
-async def abort(context, err: GatewayError) -> None:
+async def abort(context, err: GatewayError, trace: RequestTrace | None = None) -> None:
     """End the call with the error's status; a retry_after goes in the trailing metadata."""
+    if trace is not None:
+        trace.error = err.message
     if err.retry_after is not None:
         context.set_trailing_metadata((("retry-after", err.headers()["Retry-After"]),))
     await context.abort(err.grpc_code(), err.message)

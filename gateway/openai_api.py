@@ -35,6 +35,7 @@ from gateway.params import PreparedRequest, RequestPreparer
 from gateway.pipeline import Pipeline
 from gateway.protocol import ChatCompletionRequest, CompletionRequest, validation_error
 from gateway.router import Router
+from gateway.timing import RequestTrace
 from gateway.utility_api import add_utility_routes
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,9 @@ class ClientDisconnected(Exception):
     """The HTTP client went away before the response was complete."""
 
 
-def _error_response(err: GatewayError) -> JSONResponse:
+def _error_response(err: GatewayError, trace: RequestTrace | None = None) -> JSONResponse:
+    if trace is not None:
+        trace.error = err.message
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
 
 
@@ -180,20 +183,24 @@ class OpenAIServer:
         self.pipeline = pipeline
         self.admission = admission or InFlight(0)
 
-    def _prepare(self, body: CompletionRequest | ChatCompletionRequest
+    def _prepare(self, body: CompletionRequest | ChatCompletionRequest, trace: RequestTrace
                  ) -> tuple[list[PreparedRequest], list[str]]:
         """The prepared requests of a body (one per prompt) and, with echo, each prompt's text."""
         plan = None
-        if isinstance(body, ChatCompletionRequest):
-            plan = body.tool_plan(self.preparer.served.tool_call_parser)
-            prompts, params = body.to_shared(plan)
-        else:
-            prompts, params = body.to_shared()
+        with trace.phase("validate"):
+            if isinstance(body, ChatCompletionRequest):
+                plan = body.tool_plan(self.preparer.served.tool_call_parser)
+                prompts, params = body.to_shared(plan)
+            else:
+                prompts, params = body.to_shared()
         rid = uuid.uuid4().hex
-        prepared = [self.preparer.prepare(p, params, body.model,
-                                          rid if len(prompts) == 1 else f"{rid}-{i}",
-                                          cache_salt=body.cache_salt)
-                    for i, p in enumerate(prompts)]
+        with trace.phase("tokenize"):
+            prepared = [self.preparer.prepare(p, params, body.model,
+                                              rid if len(prompts) == 1 else f"{rid}-{i}",
+                                              cache_salt=body.cache_salt)
+                        for i, p in enumerate(prompts)]
+        for p in prepared:
+            trace.describe(p)
         echo = []
         if params.echo:
             tok = self.preparer.tokenizer
@@ -201,67 +208,105 @@ class OpenAIServer:
                     for p, r in zip(prompts, prepared)]
         return prepared, echo, plan
 
+    def _trace(self, request: Request, body: CompletionRequest | ChatCompletionRequest
+               ) -> RequestTrace:
+        tracing = self.pipeline.tracing
+        parent = tracing.extract(request.headers.items()) if tracing.enabled else None
+        wants = body.nvext is not None and "timing" in (body.nvext.extra_fields or ())
+        return RequestTrace(tracing, parent, want_timing=wants)
+
     async def handle(self, request: Request, body: CompletionRequest | ChatCompletionRequest):
+        trace = self._trace(request, body)
         try:
-            slots = self.admission.take(_prompt_count(body))   # before any work: 429 at once
+            return await self._handle(request, body, trace)
+        finally:
+            if not trace.streaming:
+                trace.end()
+
+    async def _handle(self, request: Request, body: CompletionRequest | ChatCompletionRequest,
+                      trace: RequestTrace):
+        try:
+            with trace.phase("admission_wait"):
+                slots = self.admission.take(_prompt_count(body))   # before any work: 429 at once
         except GatewayError as err:
-            return _error_response(err)
+            return _error_response(err, trace)
         streaming = False
         try:
             try:
                 # templating and tokenizing a long prompt takes a while: not on the event loop
-                prepared, echo, plan = await asyncio.to_thread(self._prepare, body)
+                prepared, echo, plan = await asyncio.to_thread(self._prepare, body, trace)
             except GatewayError as err:
-                return _error_response(err)
+                return _error_response(err, trace)
             tools = None
             if plan is not None and plan.mode != "none":
                 tools = lambda: ToolOutput(plan)              # noqa: E731 - one per choice
             fmt = OpenAIFormatter(prepared, self.preparer.tokenizer, body.include_usage, echo,
                                   tools)
-            deltas = _merge([self.pipeline.generate(p) for p in prepared])
+            deltas = _merge([self.pipeline.generate(p, trace) for p in prepared])
+            nvext = body.nvext_fields()
             try:
                 if body.stream:
                     first = await _race_disconnect(request, deltas.__anext__())
-                    streaming = True
-                    return EventStreamResponse(self._events(fmt, first, deltas, slots),
-                                               on_close=slots.release)
-                return JSONResponse(fmt.response(await _race_disconnect(request,
-                                                                        _collect(deltas))))
+                    streaming = trace.streaming = True
+                    return EventStreamResponse(
+                        self._events(fmt, first, deltas, slots, trace, nvext),
+                        on_close=lambda: (slots.release(), trace.end()))
+                out = fmt.response(await _race_disconnect(request, _collect(deltas)))
+                if nvext:
+                    out["nvext"] = trace.nvext(nvext)
+                return JSONResponse(out)
             except GatewayError as err:
                 await deltas.aclose()
-                return _error_response(err)
+                return _error_response(err, trace)
             except ClientDisconnected:
                 await deltas.aclose()
                 log.info("client disconnected; request %s aborted", fmt.id)
+                trace.error = "the client disconnected"
                 return Response(status_code=499)
             except StopAsyncIteration:
                 return _error_response(GatewayError("the request produced no output",
-                                                    status=500))
+                                                    status=500), trace)
         finally:
             if not streaming:
                 slots.release()
 
     async def _events(self, fmt: OpenAIFormatter, first: tuple[int, Delta],
-                      deltas: AsyncIterator[tuple[int, Delta]], slots: Slots
+                      deltas: AsyncIterator[tuple[int, Delta]], slots: Slots,
+                      trace: RequestTrace, nvext: tuple[str, ...] = ()
                       ) -> AsyncIterator[bytes]:
+        """The stream's events; `nvext`: what the last chunk's nvext object carries."""
         try:
             if fmt.chat:
                 for chunk in fmt.role_chunks():
                     yield _sse(chunk)
-            for chunk in fmt.delta_chunks(first[1], first[0]):
+            for chunk in self._chunks(fmt, first, trace, nvext):
                 yield _sse(chunk)
-            async for prompt, delta in deltas:
-                for chunk in fmt.delta_chunks(delta, prompt):
+            async for item in deltas:
+                for chunk in self._chunks(fmt, item, trace, nvext):
                     yield _sse(chunk)
             if fmt.include_usage:
-                yield _sse(fmt.usage_chunk())
+                usage = fmt.usage_chunk()
+                if nvext:
+                    usage["nvext"] = trace.nvext(nvext)
+                yield _sse(usage)
         except GatewayError as err:
             log.warning("request %s failed while streaming: %s", fmt.id, err)
+            trace.error = err.message
             yield _sse(err.body())
         finally:
             slots.release()
             await deltas.aclose()
+            trace.end()
         yield _sse("[DONE]")
+
+    @staticmethod
+    def _chunks(fmt: OpenAIFormatter, item: tuple[int, Delta], trace: RequestTrace,
+                nvext: tuple[str, ...]) -> list[dict]:
+        """A Delta's chunks; the request's last one (no usage chunk to follow) carries nvext."""
+        chunks = fmt.delta_chunks(item[1], item[0])
+        if nvext and chunks and not fmt.include_usage and fmt.finished():
+            chunks[-1]["nvext"] = trace.nvext(nvext)
+        return chunks
 
 
 async def _collect(deltas: AsyncIterator[tuple[int, Delta]]) -> list[tuple[int, Delta]]:

@@ -182,6 +182,10 @@ class OpenAIFormatter:
                                        "finish_reason": self._finish(choice)}))
         return chunks
 
+    def finished(self) -> bool:
+        """Every choice of every prompt has ended."""
+        return all(c.finish for c in self._choices.values())
+
     def _finish(self, choice: _Choice) -> str | None:
         if choice.tools is not None:
             return choice.tools.finish_reason(choice.finish)

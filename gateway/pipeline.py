@@ -35,10 +35,12 @@ import grpc
 
 from cluster.metrics import GatewayMetrics
 from cluster.registry import WorkerInfo
+from cluster.tracing import NO_SPAN, Span, Tracing
 from gateway.choice_text import Choices, Delta
 from gateway.errors import GatewayError
 from gateway.params import PreparedRequest
-from gateway.router import PrefillTicket, Router
+from gateway.router import PrefillTicket, Route, Router
+from gateway.timing import RequestTrace
 from gateway.tokenizer import Tokenizer
 from gateway.worker_errors import scrub, worker_error
 from proto import pdserve_pb2, pdserve_pb2_grpc
@@ -112,50 +114,65 @@ class Pipeline:
 
     def __init__(self, router: Router, tokenizer: Tokenizer,
                  config: PipelineConfig = PipelineConfig(),
-                 metrics: GatewayMetrics | None = None) -> None:
+                 metrics: GatewayMetrics | None = None, tracing: Tracing | None = None) -> None:
         self.router = router
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = metrics or GatewayMetrics()
+        self.tracing = tracing or Tracing.off()      # the front doors start their traces here
         self._background: set[asyncio.Task] = set()
 
-    async def generate(self, prepared: PreparedRequest) -> AsyncIterator[Delta]:
+    async def generate(self, prepared: PreparedRequest,
+                       trace: RequestTrace | None = None) -> AsyncIterator[Delta]:
         """Yield the request's Deltas; the last one has finish_reason set.
 
         Raises GatewayError, and nothing else: 503 when no worker is registered or one is
         unreachable, 429 when a worker is overloaded, 500/504 on other worker failures (a bug
         of the gateway's own is a 500 too). Closing or cancelling the iterator aborts the
         request on both workers. Consume it with `contextlib.aclosing` so that happens promptly.
+
+        `trace`: the request's trace and timing, which the front door started and ends (None:
+        one of its own, ended here).
         """
         m = self.metrics
         m.in_flight.inc()
         m.prompt_tokens.inc(len(prepared.prompt_token_ids))
         timer = _LatencyTimer(m, prepared.params.n)
+        own, error = trace is None, ""
+        if own:
+            trace = RequestTrace(self.tracing)
+            trace.describe(prepared)
         try:
-            async with contextlib.aclosing(self._generate(prepared)) as deltas:
+            async with contextlib.aclosing(self._generate(prepared, trace)) as deltas:
                 async for delta in deltas:      # closing us closes the inner stream now
                     timer.delta(delta)
+                    if trace.active:
+                        _note(trace, delta)
                     yield delta
         except GatewayError as exc:
             m.failed.labels(status=str(exc.status)).inc()
             exc.message = scrub(exc.message, self.router.workers("prefill")
                                 + self.router.workers("decode"))     # e.g. the Redis URL
             exc.args = (exc.message,)
+            error = exc.message
             raise
         except Exception as exc:                # noqa: BLE001 - a client gets an error, not a hang
             log.exception("request %s failed in the gateway", prepared.request_id)
             m.failed.labels(status="500").inc()
-            raise GatewayError("internal error in the gateway", status=500,
-                               code="internal_error") from exc
+            error = "internal error in the gateway"
+            raise GatewayError(error, status=500, code="internal_error") from exc
         finally:
             m.in_flight.dec()
+            if own:
+                trace.end(error)
 
     def _prefill_locally(self, prefill_w: WorkerInfo, num_tokens: int) -> bool:
         cfg = self.config
         return (0 < num_tokens <= cfg.local_prefill_max_tokens
                 and self.router.queued_prompts(prefill_w.id) >= cfg.local_prefill_queue)
 
-    async def _generate(self, prepared: PreparedRequest) -> AsyncIterator[Delta]:
+    async def _generate(self, prepared: PreparedRequest,
+                        trace: RequestTrace) -> AsyncIterator[Delta]:
         """Run the request; when a worker goes away (or the KV transfer fails) before any token
         reached the client, run it again on the workers the router picks now; when the decode
         worker fails after that, go on on another one (see the module docstring)."""
@@ -165,8 +182,9 @@ class Pipeline:
         while True:
             attempt = retries + migrations
             rid = prepared.request_id if not attempt else f"{prepared.request_id}-retry{attempt}"
+            trace.attempts += 1
             try:
-                async for delta in self._attempt(prepared, rid, tried, choices):
+                async for delta in self._attempt(prepared, rid, tried, choices, trace):
                     yield delta
                 return
             except GatewayError as exc:
@@ -203,61 +221,104 @@ class Pipeline:
         return ""
 
     async def _attempt(self, prepared: PreparedRequest, rid: str, tried: set[str],
-                       choices: Choices) -> AsyncIterator[Delta]:
+                       choices: Choices, trace: RequestTrace) -> AsyncIterator[Delta]:
         """One try on the workers the router picks, avoiding those of failed tries (`tried`,
         extended with this try's workers). A stream that has started resumes after the tokens
         its choice has sent."""
         resume = choices.resume_token_ids()
         tokens = prepared.prompt_token_ids + resume
-        route = await self.router.route(tokens, prepared.cache_salt, frozenset(tried))
+        with trace.phase("route") as span:
+            route = await self.router.route(tokens, prepared.cache_salt, frozenset(tried))
+            if span:
+                span.set_many(_route_attributes(route))
         prefill_w, decode_w = route.prefill, route.decode
         tried.update((prefill_w.id, decode_w.id))
         local = self._prefill_locally(prefill_w, len(tokens))
         self.metrics.routed.labels(prefill="decode-local" if local else "prefill-worker").inc()
+        trace.prefill_worker_id = (decode_w if local else prefill_w).id
+        trace.decode_worker_id = decode_w.id
         ticket = None
         if not local:
             self.metrics.route_reason.labels(reason=route.reason).inc()
             self.metrics.routed_cached.inc(route.cached_tokens)
             ticket = self.router.enqueue_prefill(prefill_w, len(tokens) - route.cached_tokens)
+        span = trace.span("gateway.attempt", attributes={
+            "pdserve.attempt": trace.attempts, "pdserve.request.worker_request_id": rid,
+            "pdserve.worker.prefill": trace.prefill_worker_id,
+            "pdserve.worker.decode": decode_w.id, "pdserve.local_prefill": local,
+            "pdserve.resume_tokens": len(resume)}) if trace.traced else NO_SPAN
         with self.router.track(*([decode_w] if local else [prefill_w, decode_w])):
-            decode = pdserve_pb2_grpc.DecodeWorkerStub(self.router.channel(decode_w.address))
-            call = decode.Decode(pdserve_pb2.DecodeRequest(
-                request_id=rid, prompt_token_ids=prepared.prompt_token_ids,
-                params=prepared.params.to_proto(), local_prefill=local,
-                cache_salt=prepared.cache_salt, resume_token_ids=resume))
-            prefill: asyncio.Task | None = None
             try:
-                if not local:
-                    reservation = await self._reservation(call, decode_w, tried)
-                    prefill = asyncio.ensure_future(self._prefill(
-                        prefill_w, prepared, rid, resume, reservation, ticket, tried))
-                watched = prefill          # until the first token: then the KV is on D
-                while True:
-                    tb = (await self._next_event(call, decode_w, watched, tried)).tokens
-                    watched = None
-                    if tb.index in choices.done or tb.index >= choices.n:
-                        continue                 # a choice stopped here: its last outputs
-                    if tb.finish_reason and tb.finish_reason not in FINISH_REASONS:
-                        log.warning("request %s: decode worker %s ended choice %d with %r",
-                                    rid, decode_w.id, tb.index, tb.finish_reason)
-                        raise GatewayError(f"the decode worker ended the output with "
-                                           f"{tb.finish_reason!r}", status=500,
-                                           code="worker_error")
-                    delta = choices.states[tb.index].consume(tb)
-                    if delta.finish_reason:
-                        choices.done.add(tb.index)
-                        if len(choices.done) == choices.n and tb.finish_reason:
-                            await self._finish_prefill(prefill)
-                        elif len(choices.done) < choices.n and not tb.finish_reason:
-                            self._stop_choice(decode_w, rid, tb.index)   # a stop string
+                async for delta in self._stream(prepared, rid, resume, route, local, ticket,
+                                                tried, choices, trace, span):
                     yield delta
-                    if len(choices.done) == choices.n:
-                        return
+            except GatewayError as exc:
+                span.error(exc.message)
+                raise
             finally:
-                call.cancel()
-                _discard(prefill)
+                span.end()
                 if ticket is not None:
                     ticket.release()
+
+    async def _stream(self, prepared: PreparedRequest, rid: str, resume: tuple[int, ...],
+                      route: Route, local: bool, ticket: PrefillTicket | None, tried: set[str],
+                      choices: Choices, trace: RequestTrace, attempt: Span
+                      ) -> AsyncIterator[Delta]:
+        """The attempt's worker calls: D's Decode stream (and P's Prefill once D reserved)."""
+        decode_w, want = route.decode, trace.want_timing
+        span = trace.span("gateway.decode", attempt, "client",
+                          {"pdserve.worker.id": decode_w.id}) if trace.traced else NO_SPAN
+        decode = pdserve_pb2_grpc.DecodeWorkerStub(self.router.channel(decode_w.address))
+        opened = time.perf_counter()
+        call = decode.Decode(pdserve_pb2.DecodeRequest(
+            request_id=rid, prompt_token_ids=prepared.prompt_token_ids,
+            params=prepared.params.to_proto(), local_prefill=local,
+            cache_salt=prepared.cache_salt, resume_token_ids=resume, return_timing=want),
+            metadata=span.headers() or None)
+        prefill: asyncio.Task | None = None
+        found: dict[str, pdserve_pb2.WorkerTiming] = {}       # role -> what it reported
+        try:
+            if not local:
+                reservation = await self._reservation(call, decode_w, tried)
+                if trace.active:
+                    trace.add("reservation", time.perf_counter() - opened)
+                    span.event("reservation")
+                prefill = asyncio.ensure_future(self._prefill(
+                    route.prefill, prepared, rid, resume, reservation, ticket, tried, trace,
+                    attempt))
+            watched = prefill          # until the first token: then the KV is on D
+            while True:
+                tb = (await self._next_event(call, decode_w, watched, tried)).tokens
+                watched = None
+                if tb.index in choices.done or tb.index >= choices.n:
+                    continue                 # a choice stopped here: its last outputs
+                if tb.finish_reason and tb.finish_reason not in FINISH_REASONS:
+                    log.warning("request %s: decode worker %s ended choice %d with %r",
+                                rid, decode_w.id, tb.index, tb.finish_reason)
+                    raise GatewayError(f"the decode worker ended the output with "
+                                       f"{tb.finish_reason!r}", status=500, code="worker_error")
+                delta = choices.states[tb.index].consume(tb)
+                if want and tb.finish_reason and tb.HasField("timing"):
+                    found["decode"] = tb.timing
+                if delta.finish_reason:
+                    choices.done.add(tb.index)
+                    if len(choices.done) == choices.n and tb.finish_reason:
+                        await self._finish_prefill(prefill)
+                    elif len(choices.done) < choices.n and not tb.finish_reason:
+                        self._stop_choice(decode_w, rid, tb.index)   # a stop string
+                if len(choices.done) == choices.n:
+                    if want:
+                        _keep_timing(trace, prefill, found)
+                    yield delta
+                    return
+                yield delta
+        except GatewayError as exc:
+            span.error(exc.message)
+            raise
+        finally:
+            call.cancel()
+            _discard(prefill)
+            span.end()
 
     def _stop_choice(self, worker: WorkerInfo, rid: str, index: int) -> None:
         """Abort one choice on the decode worker (it hit a stop string; the others go on)."""
@@ -301,18 +362,34 @@ class Pipeline:
 
     async def _prefill(self, worker: WorkerInfo, prepared: PreparedRequest, rid: str,
                        resume: tuple[int, ...], reservation: pdserve_pb2.KVDescriptor,
-                       ticket: PrefillTicket, tried: set[str]) -> pdserve_pb2.PrefillReply:
+                       ticket: PrefillTicket, tried: set[str], trace: RequestTrace,
+                       attempt: Span) -> pdserve_pb2.PrefillReply:
         stub = pdserve_pb2_grpc.PrefillWorkerStub(self.router.channel(worker.address))
         request = pdserve_pb2.PrefillRequest(
             request_id=rid, prompt_token_ids=prepared.prompt_token_ids,
             params=prepared.params.to_proto(), destination=reservation,
-            cache_salt=prepared.cache_salt, resume_token_ids=resume)
+            cache_salt=prepared.cache_salt, resume_token_ids=resume,
+            return_timing=trace.want_timing)
+        span = trace.span("gateway.prefill", attempt, "client",
+                          {"pdserve.worker.id": worker.id}) if trace.traced else NO_SPAN
+        start = time.perf_counter()
         try:
-            return await stub.Prefill(request, timeout=self.config.prefill_timeout_s)
+            reply = await stub.Prefill(request, timeout=self.config.prefill_timeout_s,
+                                       metadata=span.headers() or None)
+            if span:
+                span.set_many({"pdserve.prefill.prompt_tokens": reply.num_prompt_tokens,
+                               "pdserve.prefill.cached_tokens": reply.num_cached_tokens,
+                               "pdserve.prefill.blocks_sent": reply.num_blocks_sent})
+            return reply
         except grpc.aio.AioRpcError as exc:
-            raise self._failed("prefill", worker, exc, tried) from None
+            err = self._failed("prefill", worker, exc, tried)
+            span.error(err.message)
+            raise err from None
         finally:
             ticket.release()
+            if trace.active:
+                trace.add("prefill", time.perf_counter() - start)
+            span.end()
 
     async def _next_event(self, call, decode_w: WorkerInfo, prefill: asyncio.Task | None,
                           tried: set[str]) -> pdserve_pb2.DecodeEvent:
@@ -349,6 +426,31 @@ class Pipeline:
         """After D finished on its own, let P's reply arrive (it is due) rather than abort P."""
         if prefill is not None and not prefill.done():
             await asyncio.wait({prefill}, timeout=self.config.prefill_grace_s)
+
+
+def _note(trace: RequestTrace, delta: Delta) -> None:
+    if delta.token_ids:
+        trace.first_token()
+    if delta.finish_reason:
+        trace.finished(delta.finish_reason, delta.completion_tokens)
+
+
+def _keep_timing(trace: RequestTrace, prefill: asyncio.Task | None,
+                 found: dict[str, pdserve_pb2.WorkerTiming]) -> None:
+    """The finishing attempt's worker timings (prefill first), as far as the workers sent any."""
+    if prefill is not None and prefill.done() and not prefill.cancelled() \
+            and prefill.exception() is None and prefill.result().HasField("timing"):
+        found["prefill"] = prefill.result().timing
+    trace.workers.extend(found[role] for role in ("prefill", "decode") if role in found)
+
+
+def _route_attributes(route: Route) -> dict:
+    return {"pdserve.route.reason": route.reason,
+            "pdserve.route.cached_tokens": route.cached_tokens,
+            "pdserve.route.prefill_worker": route.prefill.id,
+            "pdserve.route.decode_worker": route.decode.id,
+            "pdserve.route.candidates": [f"{wid} cached={cached} load={load}"
+                                         for wid, cached, load in route.candidates]}
 
 
 async def _read_unless_failed(call, prefill: asyncio.Task):

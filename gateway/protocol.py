@@ -26,6 +26,7 @@ from gateway.errors import GatewayError, bad_request
 from gateway.params import (MAX_CACHE_SALT, MAX_CHOICES, MAX_LOGIT_BIAS, MAX_N,
                             MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_STRUCTURED_CHARS,
                             MAX_TOP_LOGPROBS, SEED_LIMIT, GenerationParams, Prompt, Structured)
+from gateway.timing import NVEXT_FIELDS
 from gateway.tools.validation import check_tools
 from gateway.wire import bad_text
 
@@ -137,6 +138,21 @@ _TOOL_CHOICE = {"anyOf": [
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class NvExt(_Strict):
+    """NVIDIA Dynamo's request extension: `extra_fields` names what the response's own `nvext`
+    object carries (NVEXT_FIELDS: the request's timing block, the workers that served it)."""
+
+    extra_fields: list[str] | None = _shaped(anyOf=[
+        {"type": "array", "items": {"enum": list(NVEXT_FIELDS)}}, _NULL])
+
+    def fields(self) -> tuple[str, ...]:
+        for i, name in enumerate(self.extra_fields or ()):
+            if name not in NVEXT_FIELDS:
+                raise bad_request(f"nvext.extra_fields[{i}] is {name!r}: this server returns "
+                                  f"only {', '.join(NVEXT_FIELDS)}", "nvext.extra_fields")
+        return tuple(self.extra_fields or ())
 
 
 class ChatMessage(_Strict):
@@ -304,12 +320,18 @@ class _CommonRequest(RequestBody):
     guided_choice: list[str] | None = _shaped(anyOf=[
         {"type": "array", "items": _TEXT, "minItems": 1, "maxItems": MAX_CHOICES}, _NULL])
     guided_grammar: str | None = _bounded(minLength=1, maxLength=MAX_STRUCTURED_CHARS)
+    nvext: NvExt | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def nvext_fields(self) -> tuple[str, ...]:
+        """What the response's nvext object carries (checked: a 400 naming an unknown one)."""
+        return self.nvext.fields() if self.nvext is not None else ()
+
     def _check_common(self) -> None:
+        self.nvext_fields()
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true",
                               "stream_options")

@@ -94,6 +94,10 @@ class Route:
     decode: WorkerInfo
     reason: str                 # cached_prefix | load | no_directory | round_robin
     cached_tokens: int          # prompt tokens the directory lists on the chosen prefill worker
+    # what was weighed: (worker id, cached prompt tokens, load) per prefill candidate; load is
+    # the uncached tokens this gateway has queued there (prefix routing) or its requests in
+    # flight (load, round-robin)
+    candidates: tuple[tuple[str, int, int], ...] = ()
 
 
 class Router:
@@ -295,7 +299,9 @@ class Router:
             await self.refresh()
         if self.routing != "prefix":
             decode, prefill = self.pick("decode", avoid), self.pick("prefill", avoid)
-            return Route(prefill, decode, self.routing.replace("-", "_"), 0)
+            weighed = tuple((w.id, 0, self.in_flight(w.id))
+                            for w in self._candidates("prefill", avoid))
+            return Route(prefill, decode, self.routing.replace("-", "_"), 0, weighed)
         decodes, prefills = self._candidates("decode", avoid), self._candidates("prefill", avoid)
         cached = await self.cached_blocks(prompt_token_ids, cache_salt)
         hits = cached or {}
@@ -307,7 +313,8 @@ class Router:
                                lambda w: n - hits.get(w.id, 0) * bs + self.queued_tokens(w.id))
         cached_tokens = hits.get(prefill.id, 0) * bs
         reason = "no_directory" if cached is None else "cached_prefix" if cached_tokens else "load"
-        return Route(prefill, decode, reason, cached_tokens)
+        weighed = tuple((w.id, hits.get(w.id, 0) * bs, self.queued_tokens(w.id)) for w in prefills)
+        return Route(prefill, decode, reason, cached_tokens, weighed)
 
     async def pick_pair(self) -> tuple[WorkerInfo, WorkerInfo]:
         """(prefill, decode) for an empty prompt: the choice by load alone."""

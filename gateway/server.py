@@ -31,6 +31,7 @@ from cluster.auth import SERVER_KEEPALIVE, ClusterAuth
 from cluster.metrics import GatewayMetrics
 from cluster.paths import resolve_model
 from cluster.registry import RedisSettings, redacted
+from cluster.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,8 @@ async def serve(args: argparse.Namespace) -> None:
     router = Router(args.redis_url, routing=args.routing, metrics=metrics,
                     expected_shape=kv_shape(model_dir), auth=auth,
                     redis_settings=redis_settings)
-    pipeline = Pipeline(router, preparer.tokenizer, _pipeline_config(args), metrics)
+    tracing = Tracing.from_args(args, "pdserve-gateway")    # both front doors use pipeline's
+    pipeline = Pipeline(router, preparer.tokenizer, _pipeline_config(args), metrics, tracing)
 
     keys = ApiKeys.from_sources(getattr(args, "api_key", None),
                                 getattr(args, "api_key_file", None))
@@ -125,6 +127,7 @@ async def serve(args: argparse.Namespace) -> None:
         await health.enter_graceful_shutdown()
         await grpc_server.stop(grace=5.0)
         await router.stop()
+        tracing.shutdown()          # sends the spans still buffered
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
 
