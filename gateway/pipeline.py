@@ -57,9 +57,14 @@ class PipelineConfig:
     prefill_grace_s: float = 2.0           # wait for P's reply once D has finished
     # Conditional disaggregation: a prompt of at most local_prefill_max_tokens is computed on
     # the decode worker when the chosen prefill worker already has local_prefill_queue or more
-    # of this gateway's prompts outstanding. 0 turns it off (every prompt goes to a prefill worker).
-    local_prefill_max_tokens: int = 0
+    # of this gateway's prompts outstanding and the decode worker's own outstanding prompt
+    # tokens (this one included) stay within local_prefill_share of the prefill worker's: in a
+    # burst both roles' cores compute prompts, the decode worker about a third of them
+    # (docs/performance.md#conditional-disaggregation). local_prefill_max_tokens 0 turns it
+    # off; local_prefill_queue 0 sends every prompt up to that size to the decode worker.
+    local_prefill_max_tokens: int = 1024
     local_prefill_queue: int = 4
+    local_prefill_share: float = 0.5
     # A request whose worker went away before its first token runs again, up to this many tries.
     max_attempts: int = 3
     # A stream whose decode worker failed after tokens went out goes on on another decode
@@ -74,6 +79,8 @@ class PipelineConfig:
             raise ValueError("pipeline timeouts must be positive")
         if self.local_prefill_max_tokens < 0 or self.local_prefill_queue < 0:
             raise ValueError("local_prefill_max_tokens and local_prefill_queue must be >= 0")
+        if self.local_prefill_share < 0:
+            raise ValueError("local_prefill_share must be >= 0")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
         if self.max_migrations < 0 or self.stream_stall_timeout_s < 0:
@@ -166,10 +173,16 @@ class Pipeline:
             if own:
                 trace.end(error)
 
-    def _prefill_locally(self, prefill_w: WorkerInfo, num_tokens: int) -> bool:
-        cfg = self.config
-        return (0 < num_tokens <= cfg.local_prefill_max_tokens
-                and self.router.queued_prompts(prefill_w.id) >= cfg.local_prefill_queue)
+    def _prefill_locally(self, prefill_w: WorkerInfo, decode_w: WorkerInfo,
+                         num_tokens: int) -> bool:
+        cfg, r = self.config, self.router
+        if not 0 < num_tokens <= cfg.local_prefill_max_tokens:
+            return False
+        if cfg.local_prefill_queue == 0:
+            return True
+        return (r.queued_prompts(prefill_w.id) >= cfg.local_prefill_queue
+                and r.queued_tokens(decode_w.id) + num_tokens
+                <= cfg.local_prefill_share * r.queued_tokens(prefill_w.id))
 
     async def _generate(self, prepared: PreparedRequest,
                         trace: RequestTrace) -> AsyncIterator[Delta]:
@@ -233,15 +246,16 @@ class Pipeline:
                 span.set_many(_route_attributes(route))
         prefill_w, decode_w = route.prefill, route.decode
         tried.update((prefill_w.id, decode_w.id))
-        local = self._prefill_locally(prefill_w, len(tokens))
+        local = self._prefill_locally(prefill_w, decode_w, len(tokens))
         self.metrics.routed.labels(prefill="decode-local" if local else "prefill-worker").inc()
         trace.prefill_worker_id = (decode_w if local else prefill_w).id
         trace.decode_worker_id = decode_w.id
-        ticket = None
         if not local:
             self.metrics.route_reason.labels(reason=route.reason).inc()
             self.metrics.routed_cached.inc(route.cached_tokens)
             ticket = self.router.enqueue_prefill(prefill_w, len(tokens) - route.cached_tokens)
+        else:       # the decode worker's own prompt queue, until its first token
+            ticket = self.router.enqueue_prefill(decode_w, len(tokens))
         span = trace.span("gateway.attempt", attributes={
             "pdserve.attempt": trace.attempts, "pdserve.request.worker_request_id": rid,
             "pdserve.worker.prefill": trace.prefill_worker_id,
@@ -257,11 +271,10 @@ class Pipeline:
                 raise
             finally:
                 span.end()
-                if ticket is not None:
-                    ticket.release()
+                ticket.release()
 
     async def _stream(self, prepared: PreparedRequest, rid: str, resume: tuple[int, ...],
-                      route: Route, local: bool, ticket: PrefillTicket | None, tried: set[str],
+                      route: Route, local: bool, ticket: PrefillTicket, tried: set[str],
                       choices: Choices, trace: RequestTrace, attempt: Span
                       ) -> AsyncIterator[Delta]:
         """The attempt's worker calls: D's Decode stream (and P's Prefill once D reserved)."""
@@ -290,6 +303,8 @@ class Pipeline:
             while True:
                 tb = (await self._next_event(call, decode_w, watched, tried)).tokens
                 watched = None
+                if local:
+                    ticket.release()         # its prompt is computed
                 if tb.index in choices.done or tb.index >= choices.n:
                     continue                 # a choice stopped here: its last outputs
                 if tb.finish_reason and tb.finish_reason not in FINISH_REASONS:

@@ -135,6 +135,7 @@ async def serve(args: argparse.Namespace) -> None:
 def _pipeline_config(args) -> PipelineConfig:
     return PipelineConfig(local_prefill_max_tokens=args.local_prefill_max_tokens,
                           local_prefill_queue=args.local_prefill_queue,
+                          local_prefill_share=args.local_prefill_share,
                           max_migrations=getattr(args, "max_migrations", 2),
                           stream_stall_timeout_s=getattr(args, "stream_stall_timeout", 120.0))
 

@@ -220,12 +220,18 @@ def add_gateway(p: argparse.ArgumentParser) -> None:
                    help="how workers are chosen: prefix (the prefill worker holding the longest "
                         "cached prefix, weighed against its queue; Redis prefix directory), load "
                         "(fewest requests in flight) or round-robin")
-    p.add_argument("--local-prefill-max-tokens", type=int, default=0,
-                   help="prompts up to this many tokens are computed on the decode worker when "
-                        "the prefill worker is busy (conditional disaggregation; 0: never)")
-    p.add_argument("--local-prefill-queue", type=int, default=4,
+    p.add_argument("--local-prefill-max-tokens", type=non_negative_int, default=1024,
+                   help="prompts up to this many tokens may be computed on the decode worker "
+                        "when the prefill worker is busy (conditional disaggregation; 0: never)")
+    p.add_argument("--local-prefill-queue", type=non_negative_int, default=4,
                    help="'busy': this gateway has at least this many prompts outstanding on the "
-                        "chosen prefill worker")
+                        "chosen prefill worker (0: every prompt up to --local-prefill-max-tokens "
+                        "goes to the decode worker)")
+    p.add_argument("--local-prefill-share", type=non_negative_float, default=0.5,
+                   metavar="SHARE",
+                   help="a busy prefill worker's prompt goes to the decode worker while the "
+                        "decode worker's outstanding prompt tokens stay within SHARE of the "
+                        "prefill worker's")
     p.add_argument("--max-migrations", type=non_negative_int, default=2, metavar="N",
                    help="a stream whose decode worker fails mid-stream goes on on another decode "
                         "worker, at most N times per request (0: the failure ends the stream; "
