@@ -209,9 +209,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and their token counts; allocate their blocks.
 
-        Decoding requests (one token to go) come first, then prompt chunks, oldest first. While
-        requests wait, one prompt chunk takes at most `long_prefill_tokens`, so a short prompt
-        queued behind a long one joins within a step instead of after the whole long prompt.
+        Decoding requests (one token to go) come first, then prompt chunks, oldest first. A prompt
+        whose rest fits the budget left is taken whole, so it samples this step; one that cannot
+        finish this step takes at most `long_prefill_tokens` while requests wait, so a short
+        prompt queued behind a long one joins within a step instead of after the whole long one.
         """
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
@@ -235,7 +236,7 @@ class Scheduler:
                 del spec[max(budget - 1, 0):]
                 n = 1 + len(spec)
             else:
-                n = min(req.num_tokens - req.num_computed_tokens, budget, cap)
+                n = _chunk(req.num_tokens - req.num_computed_tokens, budget, cap)
             while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
                 if spec:                            # drop the proposals before preempting
                     spec.clear()
@@ -268,9 +269,7 @@ class Scheduler:
                 # at least one token is computed, so the step has logits to sample from
                 hits = self.kv.cached_prefix(req, req.num_tokens - 1)
             computed = req.num_computed_tokens + len(hits) * self.kv.block_size
-            n = min(req.num_tokens - computed, budget)
-            if len(self.waiting) > 1:
-                n = min(n, cap)
+            n = _chunk(req.num_tokens - computed, budget, cap if len(self.waiting) > 1 else budget)
             if self.kv.allocate_slots(req.request_id, computed + n, prefix=hits) is None:
                 if self._release_waiting(keep=req):
                     continue                         # try the head again
@@ -407,3 +406,9 @@ class Scheduler:
             req.status, req.finish_reason = Status.FINISHED, reason
         return RequestOutput(req.request_id, toks, lps, reason, choice=req.choice,
                              group=req.group)
+
+
+def _chunk(left: int, budget: int, cap: int) -> int:
+    """A prompt's tokens this step: all `left` when they fit the budget (it samples now), else a
+    chunk of at most `cap` (a long prompt leaves room for those behind it)."""
+    return left if left <= budget else min(budget, cap)

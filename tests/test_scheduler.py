@@ -83,6 +83,17 @@ def test_short_prompt_is_not_held_behind_a_long_one():
                      [("short", 1, True), ("long", 7, False)]]
 
 
+def test_prompts_that_fit_the_budget_are_taken_whole():
+    # each longer than the cap but both within the budget: both sample in the first step, where a
+    # capped chunk each would have taken two steps; the third waits for the next
+    s, _ = make(num_blocks=16, budget=8, cap=2)
+    for name in "abc":
+        s.add(Request(name, [1, 2, 3, 4], GREEDY))
+    out = s.schedule()
+    assert [(x.request.request_id, x.num_new_tokens, x.sample) for x in out.scheduled] == [
+        ("a", 4, True), ("b", 4, True)]
+
+
 def test_eos_and_length_finish_and_free():
     s, kv = make()
     s.add(Request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=2)))
@@ -174,8 +185,8 @@ def test_remote_reservation_refused_when_full_and_first_token_can_finish():
 
 
 def test_preempting_a_request_already_placed_in_the_step_undoes_it():
-    s, kv = make(num_blocks=2, block_size=4, budget=8, cap=4)
-    a = Request("a", list(range(1, 9)), GREEDY)           # 8 tokens, chunked
+    s, kv = make(num_blocks=2, block_size=4, budget=7, cap=4)
+    a = Request("a", list(range(1, 9)), GREEDY)           # 8 tokens: more than the budget, chunked
     c = Request("c", [5, 6, 7], GREEDY)
     s.add(a)
     s.add(c)
