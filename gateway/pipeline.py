@@ -59,12 +59,12 @@ class PipelineConfig:
     # the decode worker when the chosen prefill worker already has local_prefill_queue or more
     # of this gateway's prompts outstanding and the decode worker's own outstanding prompt
     # tokens (this one included) stay within local_prefill_share of the prefill worker's: in a
-    # burst both roles' cores compute prompts, the decode worker about a third of them
+    # burst both roles' cores compute prompts, the decode worker some three in seven of them
     # (docs/performance.md#conditional-disaggregation). local_prefill_max_tokens 0 turns it
     # off; local_prefill_queue 0 sends every prompt up to that size to the decode worker.
     local_prefill_max_tokens: int = 1024
     local_prefill_queue: int = 4
-    local_prefill_share: float = 0.5
+    local_prefill_share: float = 0.75
     # A request whose worker went away before its first token runs again, up to this many tries.
     max_attempts: int = 3
     # A stream whose decode worker failed after tokens went out goes on on another decode

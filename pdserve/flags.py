@@ -227,7 +227,7 @@ def add_gateway(p: argparse.ArgumentParser) -> None:
                    help="'busy': this gateway has at least this many prompts outstanding on the "
                         "chosen prefill worker (0: every prompt up to --local-prefill-max-tokens "
                         "goes to the decode worker)")
-    p.add_argument("--local-prefill-share", type=non_negative_float, default=0.5,
+    p.add_argument("--local-prefill-share", type=non_negative_float, default=0.75,
                    metavar="SHARE",
                    help="a busy prefill worker's prompt goes to the decode worker while the "
                         "decode worker's outstanding prompt tokens stay within SHARE of the "

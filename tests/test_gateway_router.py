@@ -135,3 +135,32 @@ def test_prefill_queue_counts_survive_prompts_with_nothing_to_compute():
     a.release()
     b.release()
     assert (router.queued_tokens("p1"), router.queued_prompts("p1")) == (0, 0)
+
+
+def test_conditional_disaggregation_balances_prompts_between_the_roles():
+    # the balance rule on the router's queue counts: a burst of 256-token prompts with the
+    # defaults (queue 4, share 0.75) sends three in seven to the decode worker, none while the
+    # prefill worker has fewer than 4 outstanding, none over the size limit or when turned off
+    from types import SimpleNamespace
+    from gateway.pipeline import Pipeline, PipelineConfig
+
+    async def body():
+        router = Router("redis://127.0.0.1:1", poll_s=0.05)
+        p, d = worker("p", "prefill", 1.0), worker("d", "decode", 2.0)
+
+        def local(cfg, n=256):
+            return Pipeline._prefill_locally(SimpleNamespace(config=cfg, router=router), p, d, n)
+
+        cfg, places = PipelineConfig(), []
+        for _ in range(70):
+            here = local(cfg)
+            router.enqueue_prefill(d if here else p, 256)
+            places.append("d" if here else "p")
+        assert places[:4] == ["p"] * 4 and places.count("d") == 30
+        assert not local(cfg, n=cfg.local_prefill_max_tokens + 1) and not local(cfg, n=0)
+        assert not local(PipelineConfig(local_prefill_max_tokens=0))
+        assert local(PipelineConfig(local_prefill_queue=0))     # every prompt up to the size
+        assert not local(PipelineConfig(local_prefill_share=0))
+        await router.stop()
+
+    asyncio.run(body())
