@@ -10,7 +10,7 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST, start_http_server
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5,
                    2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -31,6 +31,52 @@ class _ReadCounters:
             yield family
 
 
+# the KV offload tiers' counters (engine.kv_offload.TierStats), read when scraped
+_OFFLOAD_COUNTERS = {
+    "hits": ("pdserve_kv_offload_hits_blocks", "Prompt blocks found in the tier"),
+    "misses": ("pdserve_kv_offload_misses_blocks", "Prompt lookups that missed the tier"),
+    "stored_blocks": ("pdserve_kv_offload_stored_blocks", "Blocks stored in the tier"),
+    "stored_bytes": ("pdserve_kv_offload_stored_bytes", "Bytes stored in the tier"),
+    "store_seconds": ("pdserve_kv_offload_store_seconds", "Time spent storing (bytes / this: "
+                      "store bandwidth)"),
+    "restored_blocks": ("pdserve_kv_offload_restored_blocks", "Blocks restored into the pool"),
+    "restored_bytes": ("pdserve_kv_offload_restored_bytes", "Bytes restored into the pool"),
+    "restore_seconds": ("pdserve_kv_offload_restore_seconds", "Time spent restoring, checksums "
+                        "included (bytes / this: restore bandwidth)"),
+    "skipped_blocks": ("pdserve_kv_offload_skipped_blocks", "Hits not restored: computing them "
+                       "was cheaper"),
+    "evicted_blocks": ("pdserve_kv_offload_evicted_blocks", "Blocks dropped or moved down a tier "
+                       "to make room"),
+    "rejected_blocks": ("pdserve_kv_offload_rejected_blocks", "Evicted blocks the admission gate "
+                        "kept out (seen fewer than --kv-offload-min-seen times)"),
+    "checksum_failures": ("pdserve_kv_offload_checksum_failures", "Restored blocks whose checksum "
+                          "differed (they and the blocks after them were computed)"),
+    "errors": ("pdserve_kv_offload_errors", "I/O errors of the tier (its blocks are computed)"),
+    "ignored_files": ("pdserve_kv_offload_ignored_files", "Disk files of another model, dtype, "
+                      "layout or hash seed, or damaged: not loaded"),
+}
+_OFFLOAD_GAUGES = {
+    "blocks": ("pdserve_kv_offload_blocks", "Blocks held in the tier"),
+    "capacity_blocks": ("pdserve_kv_offload_capacity_blocks", "Blocks the tier can hold"),
+}
+
+
+class _OffloadCollector:
+    def __init__(self, labels: dict[str, str], read: Callable[[], dict[str, dict]]) -> None:
+        self.labels, self.read = labels, read
+
+    def collect(self):
+        tiers = self.read()
+        names = [*self.labels, "tier"]
+        for table, family_type in ((_OFFLOAD_COUNTERS, CounterMetricFamily),
+                                   (_OFFLOAD_GAUGES, GaugeMetricFamily)):
+            for key, (name, doc) in table.items():
+                family = family_type(name, doc, labels=names)
+                for tier, stats in tiers.items():
+                    family.add_metric([*self.labels.values(), tier], stats[key])
+                yield family
+
+
 class WorkerMetrics:
     """Engine metrics of one worker. `load` returns (running, waiting, free_blocks);
     `prefix` returns (query tokens, hit tokens, cached blocks, evictions) of the prefix cache."""
@@ -39,12 +85,16 @@ class WorkerMetrics:
                  load: Callable[[], tuple[int, int, int]],
                  prefix: Callable[[], tuple[int, int, int, int]] | None = None,
                  spec: str | None = None,
-                 transfer_refs: Callable[[], dict[str, int]] | None = None) -> None:
-        """transfer_refs: the KV connector's references (engine.kv_connector.references)."""
+                 transfer_refs: Callable[[], dict[str, int]] | None = None,
+                 offload: Callable[[], dict[str, dict]] | None = None) -> None:
+        """transfer_refs: the KV connector's references (engine.kv_connector.references);
+        offload: the KV offload tiers' counters by tier (engine.kv_offload.KVOffload.stats)."""
         self.registry = CollectorRegistry()
         labels = {"role": role, "worker": worker_id}
         self._labels = labels
         r = self.registry
+        if offload is not None:
+            r.register(_OffloadCollector(labels, offload))
         if prefix is not None:
             r.register(_ReadCounters(labels, lambda: {
                 "pdserve_prefix_cache_queries_tokens": (

@@ -4,6 +4,9 @@ Layout in Redis::
 
     pdserve:blocks:<worker_id>     set     block hashes (decimal) cached on that worker
     pdserve:blockseq:<worker_id>   string  sequence number of the last batch applied
+    pdserve:tierblocks:<tier>:<worker_id>, pdserve:tierblockseq:<tier>:<worker_id>
+                                           the same for the worker's KV offload tiers
+                                           (engine.kv_offload: tier "host" or "disk")
 
 Both keys carry the worker registration's TTL and are refreshed by every publish, so the entries
 of a worker that dies disappear with its registration.
@@ -16,7 +19,8 @@ restarts the sequence. The publisher never blocks the worker: Redis being down i
 the next successful publish resyncs.
 
 The gateway asks, for one prompt's block hashes, how long a leading run each worker holds
-(SMISMEMBER, one pipelined round trip for all workers). Torch-free.
+(SMISMEMBER, one pipelined round trip for all workers), in its pool and then in its tiers
+(`tiered_prefix_blocks`). Torch-free.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ log = logging.getLogger(__name__)
 
 BLOCKS_PREFIX = "pdserve:blocks:"
 SEQ_PREFIX = "pdserve:blockseq:"
+TIER_BLOCKS_PREFIX = "pdserve:tierblocks:"
+TIER_SEQ_PREFIX = "pdserve:tierblockseq:"
+TIERS = ("host", "disk")          # engine.kv_offload's tiers, dearest to restore last
 
 # KEYS: set, seq. ARGV: seq, ttl_ms, number of stored hashes, stored..., evicted...
 _APPLY = """
@@ -49,16 +56,17 @@ return 1
 """
 
 
-def blocks_key(worker_id: str) -> str:
-    return BLOCKS_PREFIX + worker_id
+def blocks_key(worker_id: str, tier: str = "") -> str:
+    return f"{TIER_BLOCKS_PREFIX}{tier}:{worker_id}" if tier else BLOCKS_PREFIX + worker_id
 
 
-def seq_key(worker_id: str) -> str:
-    return SEQ_PREFIX + worker_id
+def seq_key(worker_id: str, tier: str = "") -> str:
+    return f"{TIER_SEQ_PREFIX}{tier}:{worker_id}" if tier else SEQ_PREFIX + worker_id
 
 
 class DirectoryPublisher(RedisPeriodic):
-    """Mirrors one worker's cached block hashes into Redis.
+    """Mirrors one worker's cached block hashes into Redis (`tier`: those of one of its KV
+    offload tiers; "": its pool's).
 
     `events` is the block pool's event deque (appended by the engine thread, drained here).
     Call `start()` in the worker's loop and `stop()` at shutdown (which removes this worker's
@@ -69,9 +77,13 @@ class DirectoryPublisher(RedisPeriodic):
 
     def __init__(self, redis_url: str, worker_id: str, events: deque, ttl_s: float = 10.0,
                  interval_s: float = 0.25, chunk: int = 4096,
-                 redis_settings: RedisSettings = RedisSettings()) -> None:
+                 redis_settings: RedisSettings = RedisSettings(), tier: str = "") -> None:
         super().__init__(redis_url, interval_s, redis_settings)
         self.worker_id = worker_id
+        self.tier = tier
+        self._keys = [blocks_key(worker_id, tier), seq_key(worker_id, tier)]
+        if tier:
+            self.what = f"prefix directory ({tier} tier)"
         self.events = events
         self.ttl_ms = int(ttl_s * 1000)
         self.refresh_s = ttl_s / 4
@@ -84,7 +96,7 @@ class DirectoryPublisher(RedisPeriodic):
         self._apply = self._client.register_script(_APPLY)
 
     def own_keys(self) -> list[str]:
-        return [blocks_key(self.worker_id), seq_key(self.worker_id)]
+        return list(self._keys)
 
     def _drain(self) -> tuple[list[int], list[int]]:
         """Fold the pending events into the mirror; the net additions and removals."""
@@ -110,7 +122,7 @@ class DirectoryPublisher(RedisPeriodic):
             return
         try:
             if not self._need_resync:
-                ok = await self._apply(keys=[blocks_key(self.worker_id), seq_key(self.worker_id)],
+                ok = await self._apply(keys=list(self._keys),
                                        args=[self.seq + 1, self.ttl_ms, len(added), *added,
                                              *removed])
                 if ok:
@@ -130,11 +142,12 @@ class DirectoryPublisher(RedisPeriodic):
         hashes = sorted(self.mirror)
         self.seq += 1
         async with self._client.pipeline(transaction=True) as pipe:
-            pipe.delete(blocks_key(self.worker_id))
+            blocks, seq = self._keys
+            pipe.delete(blocks)
             for i in range(0, len(hashes), self.chunk):
-                pipe.sadd(blocks_key(self.worker_id), *hashes[i:i + self.chunk])
-            pipe.pexpire(blocks_key(self.worker_id), self.ttl_ms)
-            pipe.set(seq_key(self.worker_id), self.seq, px=self.ttl_ms)
+                pipe.sadd(blocks, *hashes[i:i + self.chunk])
+            pipe.pexpire(blocks, self.ttl_ms)
+            pipe.set(seq, self.seq, px=self.ttl_ms)
             await pipe.execute()
         self._need_resync = False
         self.resyncs += 1
@@ -142,24 +155,30 @@ class DirectoryPublisher(RedisPeriodic):
     tick = publish
 
 
-async def cached_prefix_blocks(client: aioredis.Redis, worker_ids: Iterable[str],
-                               hashes: list[int]) -> dict[str, int]:
-    """worker id -> how many leading blocks of `hashes` the directory lists for that worker."""
+async def tiered_prefix_blocks(client: aioredis.Redis, worker_ids: Iterable[str],
+                               hashes: list[int]) -> dict[str, dict[str, int]]:
+    """worker id -> {"pool": n, "host": n, "disk": n}: the leading run of `hashes` the
+    directory lists for that worker, each block counted where it is cheapest to get (the pool,
+    then the host tier, then the disk tier). One pipelined round trip."""
     ids = list(worker_ids)
+    places = ("pool", *TIERS)
     if not hashes or not ids:
-        return {w: 0 for w in ids}
+        return {w: dict.fromkeys(places, 0) for w in ids}
     async with client.pipeline(transaction=False) as pipe:
         for w in ids:
-            pipe.smismember(blocks_key(w), hashes)
+            for tier in ("", *TIERS):
+                pipe.smismember(blocks_key(w, tier), hashes)
         results = await pipe.execute()
     out = {}
-    for w, flags in zip(ids, results):
-        n = 0
-        for f in flags:
-            if not f:
+    for i, w in enumerate(ids):
+        flags = results[i * len(places):(i + 1) * len(places)]
+        counts = dict.fromkeys(places, 0)
+        for j in range(len(hashes)):
+            where = next((p for p, f in zip(places, flags) if f[j]), None)
+            if where is None:
                 break
-            n += 1
-        out[w] = n
+            counts[where] += 1
+        out[w] = counts
     return out
 
 
@@ -171,5 +190,5 @@ async def directory_sizes(client: aioredis.Redis, worker_ids: Iterable[str]) -> 
         return dict(zip(ids, await pipe.execute()))
 
 
-__all__ = ("DirectoryPublisher", "cached_prefix_blocks", "directory_sizes", "blocks_key",
-           "seq_key")
+__all__ = ("DirectoryPublisher", "tiered_prefix_blocks",
+           "directory_sizes", "blocks_key", "seq_key", "TIERS")

@@ -18,13 +18,14 @@ reference count goes up) instead of computing them. A block whose count drops to
 tail of the free queue but stays findable by its hash until the pool hands it out again, which
 takes blocks from the head: least recently freed first. A request frees its blocks tail first, so
 its last blocks are evicted before its first ones (the ones most likely to be shared). Each
-registration and eviction is recorded as an event for the Redis prefix directory.
+registration and eviction is recorded as an event for the Redis prefix directory, and an evicted
+block is offered to `on_evict` (the KV offload tiers, engine.kv_offload) while its KV is intact.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import Sequence
+from typing import Callable, Sequence
 
 from engine.block_hash import EVICTED, STORED
 
@@ -50,6 +51,9 @@ class BlockPool:
         # (another thread: deque append/popleft are atomic).
         self.events: deque[tuple[str, int]] = deque()
         self.evictions = 0
+        # [(block id, hash, tokens)] of the cached blocks one allocation hands out, before
+        # their KV is overwritten
+        self.on_evict: Callable[[list[tuple[int, int, tuple[int, ...]]]], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -66,12 +70,16 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise NoFreeBlocks(f"need {n} blocks, {len(self._free)} free")
-        out = []
+        out, evicted = [], []
         for _ in range(n):
             b, _ = self._free.popitem(last=False)
-            self._evict(b)
+            if self._hash_of[b] is not None:
+                evicted.append((b, self._hash_of[b], self._tokens_of[b]))
+                self._evict(b)
             self._ref[b] = 1
             out.append(b)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         return out
 
     def free(self, block_ids: list[int]) -> None:

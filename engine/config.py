@@ -173,6 +173,10 @@ class EngineConfig:
     max_request_kv_share: float = 1.0    # most of the KV pool one request (all choices) may need
     quantization: str = "none"           # QUANTIZATION_CHOICES; none: the checkpoint's own
     tensor_parallel_size: int = 1        # ranks the model is split over (engine.parallel)
+    kv_offload_gib: float = 0.0          # host-memory tier below the pool (engine.kv_offload)
+    kv_offload_dir: str = ""             # local-disk tier's folder (with kv_offload_disk_gib)
+    kv_offload_disk_gib: float = 0.0
+    kv_offload_min_seen: int = 1         # a block is kept in a tier once seen this many times
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -213,9 +217,29 @@ class EngineConfig:
                              f"{self.gpu_memory_utilization}")
         if self.spec_disable_batch_size < 0:
             raise ValueError("spec_disable_batch_size must be >= 0 (0: decided by cost)")
+        self._check_offload()
         if not 0 < self.max_request_kv_share <= 1:
             raise ValueError("max_request_kv_share must be in (0, 1], got "
                              f"{self.max_request_kv_share}")
+
+    def _check_offload(self) -> None:
+        if self.kv_offload_gib < 0 or self.kv_offload_disk_gib < 0:
+            raise ValueError("kv_offload_gib and kv_offload_disk_gib must be >= 0")
+        if bool(self.kv_offload_dir) != (self.kv_offload_disk_gib > 0):
+            raise ValueError("the disk tier needs both kv_offload_dir and kv_offload_disk_gib")
+        if self.kv_offload_min_seen < 1:
+            raise ValueError("kv_offload_min_seen must be >= 1")
+        if self.offload_enabled and not self.enable_prefix_caching:
+            raise ValueError("the KV offload tiers need the prefix cache (they are keyed by its "
+                             "block hashes): drop --no-prefix-cache or the offload flags")
+        if self.offload_enabled and self.tensor_parallel_size > 1:
+            raise ValueError("the KV offload tiers are not implemented with tensor parallelism "
+                             "yet: drop --kv-offload-gib / --kv-offload-dir or use "
+                             "--tensor-parallel-size 1")
+
+    @property
+    def offload_enabled(self) -> bool:
+        return self.kv_offload_gib > 0 or self.kv_offload_disk_gib > 0
 
     @property
     def long_prefill_cap(self) -> int:

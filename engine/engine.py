@@ -6,6 +6,7 @@ Not thread-safe: one thread owns an Engine (see engine.async_engine for the thre
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,6 +20,7 @@ from engine.config import EngineConfig, ModelConfig, parse_speculative
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import Load
 from engine.kv_layout import KVLayout
+from engine.kv_offload import KVOffload, OffloadSettings
 from engine.request import MAX_CHOICES, Request, RequestOutput, Status, TokenLogprob
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec import DraftProposer, NgramProposer, Proposal, SpecController
@@ -86,6 +88,7 @@ class Engine:
         self.pool = BlockPool(cfg.num_blocks)
         hasher = BlockHasher(cfg.block_size, cfg.hash_seed) if cfg.enable_prefix_caching else None
         self.kv_manager = KVCacheManager(self.pool, cfg.block_size, hasher)
+        self.offload = self._offload() if cfg.offload_enabled else None
         self.scheduler = Scheduler(cfg, self.kv_manager, m.eos_token_ids, cfg.max_model_len)
         self.stats = EngineStats()
         self.last_step: StepStats | None = None
@@ -93,6 +96,32 @@ class Engine:
         self._proposals: dict[str, Proposal] = {}    # this step's, by request id
         self.batch = BatchBuilder(self.kv_manager.block_table, m.vocab_size)
         self._timed: dict[str, Request] = {}         # requests with a Timeline, until they end
+
+    def _offload(self) -> KVOffload:
+        """The KV offload tiers below the pool (engine.kv_offload), wired to the pool's
+        evictions and the prefix cache's lookups."""
+        cfg, lay, kv = self.cfg, self.layout, self.runner.pool
+        shape = (kv.shape[0], kv.shape[1], *kv.shape[3:])
+        per_block = math.prod(shape) * kv.element_size()
+        identity = {"role": cfg.role,         # one folder may serve both roles: apart
+                    "model": self.model_dir.name if self.model_dir else "random",
+                    "model_config": repr(self.model_cfg), "weights": cfg.dtype,
+                    "quantization": cfg.quantization, "dtype": lay.dtype,
+                    "block_size": lay.block_size, "num_layers": lay.num_layers,
+                    "num_kv_heads": lay.num_kv_heads, "head_dim": lay.head_dim,
+                    "hash_seed": str(cfg.hash_seed)}
+        offload = KVOffload(OffloadSettings(
+            host_blocks=int(cfg.kv_offload_gib * (1 << 30)) // per_block,
+            disk_dir=cfg.kv_offload_dir,
+            disk_blocks=int(cfg.kv_offload_disk_gib * (1 << 30)) // per_block,
+            min_seen=cfg.kv_offload_min_seen, identity=identity),
+            lambda: self.runner.pool, shape, kv.dtype, self.device)
+        if not offload.tiers:
+            raise ValueError(f"--kv-offload-gib / --kv-offload-disk-gib hold no block of "
+                             f"{per_block} bytes")
+        self.pool.on_evict = offload.store
+        self.kv_manager.offload = offload
+        return offload
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do with one); idempotent."""
@@ -284,6 +313,8 @@ class Engine:
         tokens, logprobs = self.batch.tokens(sched, result, self._proposals)
         forward_s = time.perf_counter() - t_fwd
         outputs = self.scheduler.update(sched, tokens, logprobs)
+        if self.offload is not None and prompt:
+            self.offload.note_prompt_rate(prompt, forward_s)
         self._after_step(sched, tokens, outputs, prompt, t0, forward_s)
         if timed is not None:
             self._record_timelines(timed, sched, outputs)

@@ -9,6 +9,7 @@ allocate/take/free (tests/test_kv_ownership.py checks it).
     scheduler ---- tables, prefix hits, forks ----------------> KVCacheManager --> BlockPool
     scheduler ---- KVConnector's RefChange (transfers) --------> apply()
     engine ------- take_copies() / copies_done() (forks) ------>
+    offload tiers: a prefix that continues below the pool ------> restored into new blocks
 
 Engine thread only.
 """
@@ -58,6 +59,7 @@ class KVCacheManager:
         self._copies: list[tuple[int, int]] = []   # (src, dst) of forks, not copied yet
         self.query_tokens = 0       # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0         # of which found cached
+        self.offload = None         # engine.kv_offload.KVOffload: the tiers below the pool
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -147,19 +149,43 @@ class KVCacheManager:
         return self.hasher.extend(req.block_hashes, req.all_token_ids, salt_bytes(req.cache_salt))
 
     def cached_prefix(self, req: Request, max_tokens: int) -> list[int]:
-        """Blocks of the longest cached prefix of the request, covering at most max_tokens."""
+        """Blocks of the longest cached prefix of the request, covering at most max_tokens: the
+        pool's, then those restored from the offload tiers into new blocks (cached and free,
+        like any evictable cached block, until the caller takes them)."""
         if self.hasher is None:
             return []
         hashes = self.block_hashes(req)
         tokens = req.all_token_ids
         bs = self.block_size
+        limit = min(len(hashes), max_tokens // bs)
         out: list[int] = []
-        for i in range(min(len(hashes), max_tokens // bs)):
+        for i in range(limit):
             b = self.pool.lookup(hashes[i], tokens[i * bs:(i + 1) * bs])
             if b is None:
                 break
             out.append(b)
+        if self.offload is not None:
+            for h in hashes[:len(out)]:
+                self.offload.seen(h)
+            if len(out) < limit:
+                out += self._restore(hashes[len(out):limit], tokens, len(out))
         return out
+
+    def _restore(self, hashes: list[int], tokens, start: int) -> list[int]:
+        """Blocks start, start+1, ... of a prompt (`hashes` theirs) from the offload tiers, as
+        far as they continue there and the pool has free blocks to put them in."""
+        bs = self.block_size
+        chunks = [tuple(tokens[(start + j) * bs:(start + j + 1) * bs]) for j in range(len(hashes))]
+        run = self.offload.find_run(hashes, chunks)[:self.pool.num_free]
+        if not run:
+            return []
+        blocks = self.pool.allocate(len(run))       # may evict (and store) others
+        good = self.offload.restore(run, blocks)
+        for (h, *_), b, toks in zip(run[:good], blocks, chunks):
+            self.pool.cache(b, h, toks)
+            self.offload.seen(h)
+        self.pool.free(blocks)
+        return blocks[:good]
 
     def count_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.query_tokens += num_tokens
@@ -178,6 +204,8 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(req.num_cached_blocks, full):
             self.pool.cache(table[i], hashes[i], tokens[i * bs:(i + 1) * bs])
+            if self.offload is not None:
+                self.offload.seen(hashes[i])
         req.num_cached_blocks = full
 
     @property

@@ -42,13 +42,19 @@ import redis.asyncio as aioredis
 from engine.block_hash import BlockHasher, salt_bytes
 from gateway.errors import GatewayError
 from cluster.auth import ClusterAuth
-from cluster.prefix_directory import cached_prefix_blocks, directory_sizes
+from cluster.prefix_directory import directory_sizes, tiered_prefix_blocks
 from cluster.registry import (ROLES, RedisSettings, WorkerInfo, cancel_task, connect, list_workers,
                               redacted)
 
 log = logging.getLogger(__name__)
 
 ROUTING = ("prefix", "load", "round-robin")
+# What a listed block saves against computing it, by where the worker holds it: a block in a KV
+# offload tier costs a copy into the pool (engine.kv_offload). On CPUs a host copy is some 1/1000
+# of computing the block and a disk read (page cache) a few times that; on a GPU a host copy of
+# an 8B model's block over PCIe is about a tenth of computing it, and a disk read can cost as
+# much as computing: these weights sit between (docs/design.md#kv-offload-tiers).
+TIER_SAVING = {"pool": 1.0, "host": 0.9, "disk": 0.5}
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -272,9 +278,10 @@ class Router:
             return self._take_turn(role, workers)
         return self._lowest(role, workers, lambda w: self.in_flight(w.id))
 
-    async def cached_blocks(self, prompt_token_ids, cache_salt: str = "") -> dict[str, int] | None:
-        """worker id -> leading blocks of the prompt listed in the directory; None when the
-        directory cannot be read now."""
+    async def cached_blocks(self, prompt_token_ids, cache_salt: str = ""
+                            ) -> dict[str, dict[str, int]] | None:
+        """worker id -> the leading run of the prompt's blocks the directory lists, counted by
+        where ({"pool": n, "host": n, "disk": n}); None when the directory cannot be read now."""
         ref = self._reference
         if ref is None or time.monotonic() < self._directory_down_until:
             return None
@@ -282,7 +289,7 @@ class Router:
                                                                     salt_bytes(cache_salt))
         ids = [w.id for ws in self._workers.values() for w in ws]
         try:
-            found = await cached_prefix_blocks(self._directory, ids, hashes)
+            found = await tiered_prefix_blocks(self._directory, ids, hashes)
         except (aioredis.RedisError, OSError) as exc:
             if not self._redis_down:
                 log.warning("prefix directory unreadable (%s); routing by load for now", exc)
@@ -304,16 +311,18 @@ class Router:
             return Route(prefill, decode, self.routing.replace("-", "_"), 0, weighed)
         decodes, prefills = self._candidates("decode", avoid), self._candidates("prefill", avoid)
         cached = await self.cached_blocks(prompt_token_ids, cache_salt)
-        hits = cached or {}
+        found = cached or {}
         bs = self._reference.block_size if self._reference else 1
         n = len(prompt_token_ids)
+        held = {w: sum(c.values()) * bs for w, c in found.items()}     # tokens, any tier
+        saved = {w: sum(TIER_SAVING[k] * v for k, v in c.items()) * bs for w, c in found.items()}
         decode = self._lowest("decode", decodes,
-                              lambda w: (self.in_flight(w.id), -hits.get(w.id, 0)))
+                              lambda w: (self.in_flight(w.id), -held.get(w.id, 0)))
         prefill = self._lowest("prefill", prefills,
-                               lambda w: n - hits.get(w.id, 0) * bs + self.queued_tokens(w.id))
-        cached_tokens = hits.get(prefill.id, 0) * bs
+                               lambda w: n - saved.get(w.id, 0) + self.queued_tokens(w.id))
+        cached_tokens = held.get(prefill.id, 0)
         reason = "no_directory" if cached is None else "cached_prefix" if cached_tokens else "load"
-        weighed = tuple((w.id, hits.get(w.id, 0) * bs, self.queued_tokens(w.id)) for w in prefills)
+        weighed = tuple((w.id, held.get(w.id, 0), self.queued_tokens(w.id)) for w in prefills)
         return Route(prefill, decode, reason, cached_tokens, weighed)
 
     async def pick_pair(self) -> tuple[WorkerInfo, WorkerInfo]:

@@ -90,6 +90,7 @@ def add_worker(p: argparse.ArgumentParser, role: str, port: int) -> None:
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads for this worker (0: torch's default)")
     _add_engine(p)
+    _add_kv_offload(p)
     _add_kv_transfer(p, role)
     p.add_argument("--max-waiting-requests", type=non_negative_int, default=256, metavar="N",
                    help="requests that may wait for a place in the batch; one more is refused "
@@ -149,14 +150,33 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=0,
                    help="most sequences in one step (0: 256 on CUDA, 64 elsewhere)")
     p.add_argument("--long-prefill-tokens", type=int, default=0,
-                   help="while requests wait, one prompt chunk takes at most this many tokens of "
-                        "a step (0: a quarter of --max-num-batched-tokens)")
+                   help="while requests wait, a prompt that cannot finish within a step's "
+                        "budget takes at most this many tokens of it (0: a quarter of "
+                        "--max-num-batched-tokens); one that can is taken whole")
     p.add_argument("--max-model-len", type=int, default=0,
                    help="context length limit (0: the model's max_position_embeddings)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="turn the prefix cache off: every prompt is computed in full")
     p.add_argument("--hash-seed", type=int, default=0,
                    help="block hash seed; every worker of a deployment must use the same")
+
+
+def _add_kv_offload(p: argparse.ArgumentParser) -> None:
+    """The KV offload tiers below the pool (engine.kv_offload)."""
+    g = p.add_argument_group("KV offload tiers")
+    g.add_argument("--kv-offload-gib", type=non_negative_float, default=0.0, metavar="GIB",
+                   help="host-memory tier below the KV pool: blocks the prefix cache evicts are "
+                        "kept here and restored (checksum checked) when a prompt comes back "
+                        "to them (0: off)")
+    g.add_argument("--kv-offload-dir", default="", metavar="PATH",
+                   help="local-disk tier's folder (with --kv-offload-disk-gib): the host tier's "
+                        "least recently used blocks go here, and a restarted worker finds them "
+                        "again; files of another model, dtype, layout or hash seed are ignored")
+    g.add_argument("--kv-offload-disk-gib", type=non_negative_float, default=0.0, metavar="GIB",
+                   help="most the disk tier holds (0: no disk tier)")
+    g.add_argument("--kv-offload-min-seen", type=int, default=1, metavar="N",
+                   help="admission: an evicted block is kept in a tier only when it was "
+                        "computed or hit at least N times (1: every evicted block)")
 
 
 def _add_kv_transfer(p: argparse.ArgumentParser, role: str) -> None:

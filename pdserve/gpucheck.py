@@ -32,9 +32,13 @@ files: random weights, no network). Prints one summary table:
                (pdserve.gpucheck_kv): a grpc send's engine-thread part for a 2,048-token 8B
                prompt, a held receive beside decode steps, the torch transport (NCCL, two GPUs)
                through an idle gap longer than its timeout
+  kv offload   an 8B-shaped pool's blocks stored into the host tier and restored, against a
+               plain page-locked copy (target >= 70% each way), and restores racing compute on
+               another stream, every checksum compared (pdserve.gpucheck_offload)
 
 The sections live here (kernels, parity, memory, tp, sampler), in pdserve.gpucheck_perf (decode,
-prefill, int8, int4) and in pdserve.gpucheck_kv (kv transfer); none needs the web stack, Redis or
+prefill, int8, int4), pdserve.gpucheck_kv (kv transfer) and pdserve.gpucheck_offload (kv
+offload); none needs the web stack, Redis or
 NIXL. Targets: decode within 1.5x of the floor at batch 1 and 64, prefill at >= 40% of the matmul
 peak. Exit status 0 when every row passes. `--quick` runs tiny shapes (any device; on CPUs with
 TRITON_INTERPRET=1): a smoke test of this script, with no targets.
@@ -373,13 +377,13 @@ def main(argv: list[str] | None = None) -> int:
                         "with TRITON_INTERPRET=1)")
     p.add_argument("--families", default="llama,qwen2,qwen3", help="parity model families")
     p.add_argument("--skip", default="", help="comma list of sections to skip: kernels, "
-                   "parity, memory, decode, int8, int4, tp, sampler, kv")
+                   "parity, memory, decode, int8, int4, tp, sampler, kv, offload")
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from pdserve import gpucheck_kv
+    from pdserve import gpucheck_kv, gpucheck_offload
 
     skip = set(filter(None, args.skip.split(",")))
     report = Report()
@@ -404,7 +408,9 @@ def main(argv: list[str] | None = None) -> int:
                 ("tp", lambda: tensor_parallel(report, args.device, args.quick), cuda),
                 ("sampler", lambda: sampler_check(report, args.device, args.quick), True),
                 ("kv", lambda: gpucheck_kv.kv_roundtrip(report, args.device), True),
-                ("kv", lambda: gpucheck_kv.run(report, args.device, args.quick), True)]
+                ("kv", lambda: gpucheck_kv.run(report, args.device, args.quick), True),
+                ("offload", lambda: gpucheck_offload.run(report, args.device, args.quick),
+                 True)]
     for section, run, wanted in sections:
         if not wanted or section in skip:
             continue

@@ -65,6 +65,9 @@ def build_engine(args, role: str):
                        max_request_kv_share=getattr(args, "max_request_kv_share", 1.0),
                        quantization=args.quantization,
                        tensor_parallel_size=args.tensor_parallel_size,
+                       kv_offload_gib=args.kv_offload_gib, kv_offload_dir=args.kv_offload_dir,
+                       kv_offload_disk_gib=args.kv_offload_disk_gib,
+                       kv_offload_min_seen=args.kv_offload_min_seen,
                        **resolve_device_defaults(args), **_spec_config(args))
     gib = args.kv_cache_gib or (0.0 if cfg.device.startswith("cuda") else 1.0)
     if cfg.num_blocks == 0 and gib > 0:
@@ -249,7 +252,8 @@ def _worker_metrics(role: str, ident: WorkerIdentity, engine, load: Callable):
                        kvm.pool.evictions)) if kvm.hasher is not None else None
     return WorkerMetrics(role, ident.id, engine.pool.num_blocks, load, prefix,
                          spec=engine.proposer.name if engine.proposer is not None else None,
-                         transfer_refs=engine.connector.references)
+                         transfer_refs=engine.connector.references,
+                         offload=engine.offload.stats if engine.offload is not None else None)
 
 
 async def _until_signal(loop: asyncio.AbstractEventLoop) -> None:
@@ -273,8 +277,11 @@ def _registry_duties(redis_url: str, role: str, ident: WorkerIdentity, aengine, 
                              redis_settings=redis_settings)
     if engine.kv_manager.hasher is None:
         return [reg]
-    return [reg, DirectoryPublisher(redis_url, ident.id, engine.pool.events, reg.ttl_s,
-                                    redis_settings=redis_settings)]
+    tiers = engine.offload.tiers if engine.offload is not None else []
+    return [reg, *(DirectoryPublisher(redis_url, ident.id, events, reg.ttl_s,
+                                      redis_settings=redis_settings, tier=tier)
+                   for tier, events in (("", engine.pool.events),
+                                        *((t.name, t.events) for t in tiers)))]
 
 
 async def _set_health(servicer, status) -> None:

@@ -283,3 +283,21 @@ def test_stepbench_compare_times_every_cpu_path_the_host_runs(model_dir, tmp_pat
     assert all(r["vs_auto"] == 1.0 for r in got["rows"] if r["auto"])
     assert sum(r["auto"] for r in got["rows"]) == 1
     assert "x auto" in proc.stdout and "<- auto" in proc.stdout
+
+
+def test_bench_multi_turn_conversations_grow_turn_by_turn(baseline):
+    cfg = BenchConfig(base_url=baseline, workload="multi-turn", num_conversations=3, turns=3,
+                      input_len=12, question_len=5, output_len=4, concurrency=(2,), warmup=0,
+                      think_time_s=0.05, progress=False, seed=3)
+    report = asyncio.run(run_benchmark(cfg))
+    (run,) = report["runs"]
+    s = run["summary"]
+    assert (s["turn1"]["completed"], s["turn2+"]["completed"]) == (3, 6)
+    turns = [r for r in run["requests"] if r["kind"] == "turn2+"]
+    assert all(r["ok"] for r in run["requests"])
+    # each later turn holds the conversation so far: longer than the first prompt by at least
+    # the answer and a new message
+    assert all(r["prompt_tokens"] >= 12 + 4 + 5 - 2 for r in turns)
+    assert max(r["prompt_tokens"] for r in turns) >= 12 + 2 * (4 + 5) - 4
+    with pytest.raises(ValueError, match="not a rate"):
+        BenchConfig(workload="multi-turn", request_rate=(1.0,))

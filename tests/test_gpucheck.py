@@ -28,6 +28,8 @@ def test_gpu_check_quick_on_cpu(tmp_path):
     assert all(r[4] is not False for r in rows)
     kv = {r[1].split(" (")[0]: r for r in rows if r[0] == "kv transfer"}
     assert kv["grpc send of 64 tokens"][4] and kv["torch transport"][4]   # gloo, idle gap
+    offload = [r for r in rows if r[0] == "kv offload"]
+    assert len(offload) == 3 and "intact" in offload[-1][2]      # store, restore, the race
     parity = next(r for r in rows if r[0] == "parity")
     assert "greedy 12/12 same" in parity[2]
     assert "| section" in proc.stdout and "all checks passed" in proc.stdout

@@ -17,6 +17,7 @@ import grpc
 import pytest
 import torch
 
+from engine import kv_checksum
 from engine.config import DTYPES
 from engine.kv_layout import KVLayout
 from kvtransfer import KVTransferError, TransferTarget, block_bytes, create_sender
@@ -64,7 +65,7 @@ def test_checksums_of_odd_rows_and_gathered_in_slices(monkeypatch):
     assert not torch.equal(before, block_checksums(kv, [1]))
     kv = kv_pool(LAYOUT, 8, seed=2)
     ids = [3, 1, 7, 0, 5]
-    monkeypatch.setattr(integrity, "GATHER_BYTES", 2 * block_bytes(LAYOUT))
+    monkeypatch.setattr(kv_checksum, "GATHER_BYTES", 2 * block_bytes(LAYOUT))
     assert torch.equal(integrity.gathered_checksums(kv, ids), block_checksums(kv, ids))
 
 

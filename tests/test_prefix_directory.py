@@ -11,8 +11,8 @@ import redis.asyncio as aioredis
 
 from engine.block_hash import EVICTED, STORED, BlockHasher
 from gateway.router import Router
-from cluster.prefix_directory import (DirectoryPublisher, blocks_key, cached_prefix_blocks,
-                                      seq_key)
+from cluster.prefix_directory import (DirectoryPublisher, blocks_key, seq_key,
+                                      tiered_prefix_blocks)
 from tests.test_gateway_router import register, worker
 from tests.waiting import wait_until_async
 
@@ -87,26 +87,39 @@ def test_entries_of_a_silent_worker_expire(redis_url):
     assert present == {7} and gone == set()
 
 
-def test_lookup_counts_leading_blocks_only(redis_url):
+def test_lookup_counts_leading_blocks_only_pool_then_tiers(redis_url):
     async def body():
         client = aioredis.from_url(redis_url)
         await client.sadd(blocks_key("a"), 1, 2, 3)
         await client.sadd(blocks_key("b"), 1, 3)
-        got = await cached_prefix_blocks(client, ["a", "b", "c"], [1, 2, 3, 4])
+        await client.sadd(blocks_key("d", "host"), 1, 3)        # pool, host, disk, gap
+        await client.sadd(blocks_key("d"), 2)
+        await client.sadd(blocks_key("d", "disk"), 3, 4, 6)
+        got = await tiered_prefix_blocks(client, ["a", "b", "c", "d"], [1, 2, 3, 4, 5, 6])
         await client.aclose()
         return got
 
-    assert asyncio.run(body()) == {"a": 3, "b": 1, "c": 0}
+    z = {"pool": 0, "host": 0, "disk": 0}
+    assert asyncio.run(body()) == {"a": dict(z, pool=3), "b": dict(z, pool=1), "c": z,
+                                   "d": {"pool": 1, "host": 2, "disk": 1}}
+
+
+PROMPT = list(range(100, 164))                                  # 4 blocks of 16
+
+
+async def _two_prefill_workers(url: str, router: Router) -> list[int]:
+    """d1, p1, p2 registered and the router started; -> PROMPT's block hashes."""
+    await register(url, worker("d1", "decode", 1.0), worker("p1", "prefill", 2.0),
+                   worker("p2", "prefill", 3.0))
+    await router.start()
+    return BlockHasher(16, 0).hashes(PROMPT)
 
 
 def test_routing_picks_the_worker_with_the_prefix_and_weighs_load(redis_url):
-    prompt = list(range(100, 164))                              # 4 blocks of 16
-    hashes = BlockHasher(16, 0).hashes(prompt)
+    prompt = PROMPT
 
     async def body(router: Router):
-        await register(redis_url, worker("d1", "decode", 1.0), worker("p1", "prefill", 2.0),
-                       worker("p2", "prefill", 3.0))
-        await router.start()
+        hashes = await _two_prefill_workers(redis_url, router)
         client = aioredis.from_url(redis_url)
         await client.sadd(blocks_key("p2"), *hashes[:3])
         hit = await router.route(prompt)
@@ -147,3 +160,31 @@ async def _run(router: Router, body):
         return await body(router)
     finally:
         await router.stop()
+
+
+def test_tier_publishers_keep_their_own_sets_and_routing_weighs_the_tiers(redis_url):
+    prompt = PROMPT
+
+    async def body(router: Router):
+        hashes = await _two_prefill_workers(redis_url, router)
+        host = DirectoryPublisher(redis_url, "p1", deque((STORED, h) for h in hashes[:3]),
+                                  ttl_s=10, tier="host")
+        await host.publish()
+        client = aioredis.from_url(redis_url)
+        assert not await client.exists(blocks_key("p1"))        # the pool's set is apart
+        in_host = await router.route(prompt)                    # p1's host tier beats nothing
+        await client.sadd(blocks_key("p2"), *hashes[:3])
+        in_pool = await router.route(prompt)                    # a pool hit beats a host hit
+        host.events.append((EVICTED, hashes[0]))
+        await host.publish()
+        await client.srem(blocks_key("p2"), *hashes[:3])
+        gone = await router.route(prompt)                       # the run starts at block 0
+        await host.stop()
+        await client.aclose()
+        return in_host, in_pool, gone
+
+    in_host, in_pool, gone = asyncio.run(_run(Router(redis_url, poll_s=0.05), body))
+    assert (in_host.prefill.id, in_host.reason, in_host.cached_tokens) == ("p1", "cached_prefix",
+                                                                          48)
+    assert (in_pool.prefill.id, in_pool.cached_tokens) == ("p2", 48)
+    assert gone.reason == "load" and gone.cached_tokens == 0

@@ -59,7 +59,9 @@ async def _read_stream(resp: httpx.Response, res: RequestResult, sent: float) ->
             res.prompt_tokens = event["usage"].get("prompt_tokens")
         for choice in event.get("choices") or []:
             first_choice = first_choice or now
-            if _chunk_text(choice):
+            piece = _chunk_text(choice)
+            if piece:
+                res.text += piece
                 if last is None:
                     res.ttft_s = now - sent
                 else:

@@ -8,6 +8,13 @@ later point from an earlier one; the same seed gives the same prompts on every s
 long-burst: the short chats run as above while long prompts arrive alongside at --long-rate
 (Poisson) until the short chats are done; the two kinds are summarized separately, which is the
 point: what a long prefill does to the TPOT of streams already running.
+
+multi-turn: --num-conversations conversations of --turns turns, --concurrency of them at once.
+A conversation's first prompt is random (--input-len tokens); each later one is the previous
+prompt, the answer the server streamed, and a new random message of --question-len tokens, sent
+--think-time seconds after the answer ended. Turns 1 and 2+ are summarized apart: what a KV
+cache (and its offload tiers) saves is in the TTFT of turns 2+, whose prefix was computed
+before.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from pdserve.flags import DefaultsFormatter
 if TYPE_CHECKING:
     import httpx
 
-WORKLOADS = ("random", "shared-prefix", "long-burst", "code-edit")
+WORKLOADS = ("random", "shared-prefix", "long-burst", "code-edit", "multi-turn")
 LONG_POOL = 32        # long prompts prepared when --num-long is 0
 POINT_SEED_STEP = 1000
 LONG_SEED = 7_777     # offset of the long prompts' and long arrivals' seeds
@@ -65,6 +72,9 @@ class BenchConfig:
     long_len: int = 2000
     long_rate: float = 0.2
     num_long: int = 0
+    num_conversations: int = 16
+    turns: int = 4
+    think_time_s: float = 1.0
     slo: SLO = SLO()
     label: str | None = None
     out: str | None = None
@@ -90,6 +100,10 @@ class BenchConfig:
         need(self.long_len >= 1 and self.long_rate > 0 and self.num_long >= 0,
              "--long-len and --long-rate must be > 0, --num-long >= 0")
         need(self.warmup >= 0 and self.timeout_s > 0, "--warmup >= 0 and --timeout > 0")
+        need(self.num_conversations >= 1 and self.turns >= 1 and self.think_time_s >= 0,
+             "--num-conversations and --turns must be >= 1, --think-time >= 0")
+        need(self.workload != "multi-turn" or not self.request_rate,
+             "the multi-turn workload runs at a --concurrency of conversations, not a rate")
 
     @property
     def points(self) -> list[tuple[str, float]]:
@@ -115,7 +129,8 @@ class BenchConfig:
             request_rate=rate, warmup=args.warmup, seed=args.seed, num_groups=args.num_groups,
             users_per_group=args.users_per_group, prefix_len=args.prefix_len,
             question_len=args.question_len, long_len=args.long_len, long_rate=args.long_rate,
-            num_long=args.num_long, slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms),
+            num_long=args.num_long, num_conversations=args.num_conversations,
+            turns=args.turns, think_time_s=args.think_time, slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2e_ms),
             label=args.label, out=args.out, plot=args.plot, progress=not args.no_progress)
 
 
@@ -177,6 +192,33 @@ async def with_long_arrivals(short: Awaitable[list[RequestResult]], longs: list[
     return await short_task + list(await asyncio.gather(*sent))
 
 
+async def conversations(firsts: list[Prompt], concurrency: int, turns: int, think_s: float,
+                        question_len: int, maker: PromptMaker, fire: Fire) -> list[RequestResult]:
+    """`concurrency` conversations at once, each `turns` turns (see the module docstring); a
+    failed turn ends its conversation."""
+    pending = iter(firsts)
+    results: list[RequestResult] = []
+
+    async def talk(first: Prompt) -> None:
+        prompt = first
+        for turn in range(turns):
+            res = await fire(prompt)
+            results.append(res)
+            if not res.ok or turn == turns - 1:
+                return
+            text, ids = maker.extend(prompt.text + res.text, question_len)
+            prompt = Prompt("turn2+", prompt.text + res.text + text, tuple(ids),
+                            first.output_len)
+            await asyncio.sleep(think_s)
+
+    async def worker() -> None:
+        for first in pending:
+            await talk(first)
+
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(firsts)))))
+    return results
+
+
 # ---------------------------------------------------------------------------- one run
 def build_prompts(cfg: BenchConfig, maker: PromptMaker) -> tuple[list[Prompt], list[Prompt]]:
     """(the main prompts, the long prompts of long-burst) from the maker's current seed."""
@@ -187,6 +229,9 @@ def build_prompts(cfg: BenchConfig, maker: PromptMaker) -> tuple[list[Prompt], l
         return random_prompts(maker, cfg.num_prompts, cfg.input_len, cfg.output_len), []
     if cfg.workload == "code-edit":
         return code_edit_prompts(maker, cfg.num_prompts, cfg.output_len), []
+    if cfg.workload == "multi-turn":
+        return random_prompts(maker, cfg.num_conversations, cfg.input_len, cfg.output_len,
+                              kind="turn1"), []
     short = random_prompts(maker, cfg.num_prompts, cfg.input_len, cfg.output_len, kind="short")
     longs = random_prompts(maker, cfg.num_long or LONG_POOL, cfg.long_len, cfg.output_len,
                            kind="long")
@@ -203,7 +248,8 @@ async def run_point(cfg: BenchConfig, client: httpx.AsyncClient, model: str, mak
     maker.rng = random.Random(seed)
     prompts, longs = build_prompts(cfg, maker)
     url = cfg.base_url + "/v1/completions"
-    bar = tqdm(total=len(prompts), desc=f"{cfg.label or 'bench'} {point_name(name, value)}",
+    total = len(prompts) * (cfg.turns if cfg.workload == "multi-turn" else 1)
+    bar = tqdm(total=total, desc=f"{cfg.label or 'bench'} {point_name(name, value)}",
                unit="req", disable=not cfg.progress, dynamic_ncols=True)
     longs_done = 0
     t0 = time.perf_counter()
@@ -219,7 +265,10 @@ async def run_point(cfg: BenchConfig, client: httpx.AsyncClient, model: str, mak
             bar.update(1)
         return res
 
-    if name == "concurrency":
+    if cfg.workload == "multi-turn":
+        main = conversations(prompts, int(value), cfg.turns, cfg.think_time_s,
+                             cfg.question_len, maker, fire)
+    elif name == "concurrency":
         main = closed_loop(prompts, int(value), fire)
     else:
         main = open_loop(prompts, poisson_arrivals(len(prompts), value, seed), fire)
@@ -304,7 +353,9 @@ def _add_load(load) -> None:
                            "--prefix-len tokens; long-burst: random short chats plus long prompts "
                            "arriving at --long-rate, reported separately; code-edit: "
                            "--num-prompts chat requests to return an edited code snippet whole "
-                           "(answers repeat the prompt)")
+                           "(answers repeat the prompt); multi-turn: --num-conversations "
+                           "conversations of --turns turns, each turn the conversation so far "
+                           "and --question-len new tokens, reported as turn1 and turn2+")
     load.add_argument("--num-prompts", type=int, default=64,
                       help="requests per run (random and long-burst's short chats)")
     load.add_argument("--input-len", type=int, default=256, help="prompt tokens (random)")
@@ -321,13 +372,14 @@ def _add_load(load) -> None:
 
 
 def _add_workloads(bench) -> None:
-    """The shared-prefix and long-burst workloads' own flags."""
+    """The shared-prefix, long-burst and multi-turn workloads' own flags."""
     sp = bench.add_argument_group("shared-prefix workload")
     sp.add_argument("--num-groups", type=int, default=4, help="distinct shared prefixes")
     sp.add_argument("--users-per-group", type=int, default=8, help="requests per prefix")
     sp.add_argument("--prefix-len", type=int, default=512, help="shared prefix tokens")
     sp.add_argument("--question-len", type=int, default=64,
-                    help="tokens after the prefix, distinct per request")
+                    help="tokens after the prefix, distinct per request (multi-turn: each "
+                         "turn's new message)")
     lb = bench.add_argument_group("long-burst workload")
     lb.add_argument("--long-len", type=int, default=2000, help="tokens of a long prompt")
     lb.add_argument("--long-rate", type=float, default=0.2,
@@ -335,6 +387,12 @@ def _add_workloads(bench) -> None:
     lb.add_argument("--num-long", type=int, default=0,
                     help="at most this many long prompts (0: 32); arrivals stop when the "
                          "short chats finish")
+    mt = bench.add_argument_group("multi-turn workload")
+    mt.add_argument("--num-conversations", type=int, default=16,
+                    help="conversations (--concurrency of them at once)")
+    mt.add_argument("--turns", type=int, default=4, help="turns of each conversation")
+    mt.add_argument("--think-time", type=float, default=1.0, metavar="SECONDS",
+                    help="pause between an answer and the conversation's next turn")
 
 
 def _add_report(out) -> None:
@@ -366,6 +424,8 @@ def register(sub) -> None:
                "--num-prompts 32 --out ours.json\n"
                "  pdserve bench --workload long-burst --concurrency 8 --long-len 2000 "
                "--long-rate 0.2 --slo-tpot-ms 200\n"
+               "  pdserve bench --workload multi-turn --concurrency 8 --num-conversations 32 "
+               "--turns 4 --input-len 512 --question-len 64\n"
                "  pdserve bench compare ours.json vllm.json")
     _add_target(bench.add_argument_group("target"))
     _add_load(bench.add_argument_group("load"))

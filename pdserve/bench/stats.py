@@ -29,6 +29,7 @@ class RequestResult:
     output_tokens: int = 0
     prompt_tokens: int | None = None
     finish_reason: str | None = None
+    text: str = ""                 # the streamed text (a multi-turn conversation appends it)
 
     @property
     def e2e_s(self) -> float:

@@ -1,0 +1,466 @@
+"""KV offload tiers below a worker's pool: host memory, then a local disk.
+
+    pool --evicted--> host tier --its LRU victim--> disk tier        (stores)
+    pool <--restored-- host tier or disk tier, checksum checked       (restores)
+
+Store. When the pool hands a cached block to another request (engine.block_pool evicts its
+hash), the block's KV is copied into the host tier, if the admission gate lets it: its hash must
+have been seen `min_seen` times (computed, or looked up by a prompt), so one-off prompts need not
+churn the tier. Its checksum (engine.kv_checksum, the one KV transfers compute) is taken from the
+pool block as it is copied and kept with it. A full host tier passes its least recently used
+block to the disk tier (or drops it without one); a full disk tier drops its own LRU block.
+
+Restore. A prompt whose leading blocks miss the pool but continue in a tier (engine.
+kv_cache_manager.cached_prefix) gets them copied into fresh pool blocks, which are then
+registered in the prefix cache and used like any cached block. Each restored block's checksum
+is computed again in the pool and compared with the stored one: a mismatch drops that block and
+every one after it (the prompt computes them) and is counted (`checksum_failures`). A run that
+would take longer to read than to compute (`_worth_it`: the tier's measured bandwidth against the
+engine's measured prompt rate) is not restored.
+
+Keys are the pool's: the chained block hash (engine.block_hash: seed, salt and every earlier
+token), the token ids compared on a hit. A tier holds one model's blocks: the host tier is the
+process's own; the disk tier keeps its files under a folder named by a fingerprint of the model,
+dtype, KV layout and hash seed, each file with a header naming them, and ignores a file whose
+header differs. Files are written to a temporary name and renamed, so a worker killed mid-store
+leaves no half file (left temporaries are removed at start); a restarted worker with the same
+folder finds its blocks again.
+
+When: on the engine thread, between steps (stores while the scheduler allocates, restores while
+it admits a prompt); on CPUs these are memory copies of a few hundred KB a block, beside steps
+of tens of ms to seconds. On CUDA the copies are queued on the engine's stream, ordered against
+the steps that read and write the pool; the checksum values are read back at once (a sync).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import time
+from collections import OrderedDict, deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from engine.block_hash import EVICTED, STORED
+from engine.kv_checksum import block_checksums
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"PDSKVB1\n"
+_HEADER_LEN = struct.Struct("<I")
+_TMP = ".tmp"
+_SUFFIX = ".kvb"
+
+
+@dataclass
+class TierStats:
+    """One tier's counters (metrics: pdserve_kv_offload_*{tier=...})."""
+
+    hits: int = 0                  # blocks found here by a prompt (restored or not)
+    misses: int = 0                # prompt lookups that reached this tier and missed
+    stored_blocks: int = 0
+    stored_bytes: int = 0
+    store_seconds: float = 0.0
+    restored_blocks: int = 0
+    restored_bytes: int = 0
+    restore_seconds: float = 0.0
+    skipped_blocks: int = 0        # hits not restored: recompute was cheaper
+    evicted_blocks: int = 0        # dropped (or moved down) to make room
+    rejected_blocks: int = 0       # refused by the admission gate (host tier, or disk alone)
+    checksum_failures: int = 0
+    errors: int = 0                # I/O errors (the disk tier)
+    ignored_files: int = 0         # disk files of another model, dtype, layout or seed
+    blocks: int = 0                # held now
+    capacity_blocks: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Entry:
+    tokens: tuple[int, ...]
+    checksum: int
+    slot: int = -1                 # host tier: row of its buffer
+
+
+class _Tier:
+    """What both tiers keep: an LRU index by block hash, counters, and the stored / evicted
+    events the worker's prefix directory publisher drains (another thread: deque appends and
+    pops are atomic)."""
+
+    name = ""
+
+    def __init__(self, capacity: int) -> None:
+        self.index: OrderedDict[int, _Entry] = OrderedDict()
+        self.stats = TierStats(capacity_blocks=capacity)
+        self.events: deque[tuple[str, int]] = deque()
+
+    def find(self, block_hash: int, tokens: tuple[int, ...]) -> _Entry | None:
+        """The entry holding exactly these tokens under this hash (now the most recently used),
+        or None."""
+        e = self.index.get(block_hash)
+        if e is None or e.tokens != tokens:
+            return None
+        self.index.move_to_end(block_hash)
+        return e
+
+
+class HostTier(_Tier):
+    """Blocks in host memory: one preallocated buffer of `capacity` blocks (page-locked when the
+    pool is on CUDA)."""
+
+    name = "host"
+
+    def __init__(self, block_shape: tuple[int, ...], dtype: torch.dtype, capacity: int,
+                 pin: bool = False) -> None:
+        super().__init__(capacity)
+        self.data = torch.empty((capacity, *block_shape), dtype=dtype, pin_memory=pin)
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def put(self, block_hash: int, tokens: tuple[int, ...], checksum: int,
+            src: torch.Tensor) -> None:
+        """Store `src` (one block); the caller made room (`drop`)."""
+        slot = self._free.pop()
+        self.data[slot].copy_(src, non_blocking=True)
+        self.index[block_hash] = _Entry(tokens, checksum, slot)
+        self.stats.blocks = len(self.index)
+        self.events.append((STORED, block_hash))
+
+    def read(self, e: _Entry) -> torch.Tensor:
+        return self.data[e.slot]
+
+    def drop(self, block_hash: int) -> None:
+        e = self.index.pop(block_hash, None)
+        if e is not None:
+            self._free.append(e.slot)
+            self.stats.blocks = len(self.index)
+            self.events.append((EVICTED, block_hash))
+
+
+class DiskTier(_Tier):
+    """Blocks as files under `directory`/<fingerprint>/, one a block, LRU by use, at most
+    `capacity` blocks. `identity` (model, dtype, layout, hash seed) is in every file's header."""
+
+    name = "disk"
+
+    def __init__(self, directory: str | Path, identity: dict, block_shape: tuple[int, ...],
+                 dtype: torch.dtype, capacity: int) -> None:
+        super().__init__(capacity)
+        self.identity = dict(identity)
+        self.block_shape, self.dtype = tuple(block_shape), dtype
+        self.nbytes = torch.Size(block_shape).numel() * torch.empty((), dtype=dtype).element_size()
+        fingerprint = _fingerprint(self.identity)
+        self.root = Path(directory) / fingerprint
+        self._warned = False
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._scan()
+
+    def _path(self, block_hash: int) -> Path:
+        return self.root / f"{block_hash:016x}{_SUFFIX}"
+
+    def _scan(self) -> None:
+        """Index the files a previous run left, oldest use first; remove half-written ones."""
+        found = []
+        for p in self.root.iterdir():
+            if p.name.endswith(_TMP):
+                p.unlink(missing_ok=True)
+                continue
+            if not p.name.endswith(_SUFFIX):
+                continue
+            try:
+                with open(p, "rb") as f:
+                    header = _read_header(f)
+                size = p.stat().st_size
+                mtime = p.stat().st_mtime
+            except (OSError, ValueError):
+                header = None
+            if (header is None or header.get("identity") != self.identity
+                    or size != _data_offset(header) + self.nbytes
+                    or p.name != f"{int(header['hash']):016x}{_SUFFIX}"):
+                self.stats.ignored_files += 1
+                continue
+            found.append((mtime, int(header["hash"]),
+                          _Entry(tuple(header["tokens"]), int(header["checksum"]))))
+        for _, h, e in sorted(found, key=lambda t: t[0]):
+            self.index[h] = e
+        while len(self.index) > self.stats.capacity_blocks:
+            self.drop(next(iter(self.index)))
+        self.stats.blocks = len(self.index)
+        self.events.clear()
+        self.events.extend((STORED, h) for h in self.index)
+        if self.index or self.stats.ignored_files:
+            log.info("KV offload disk tier %s: %d blocks found, %d files ignored (another "
+                     "model, dtype, layout or hash seed, or damaged)", self.root, len(self.index),
+                     self.stats.ignored_files)
+
+    def full(self) -> bool:
+        return len(self.index) >= self.stats.capacity_blocks
+
+    def put(self, block_hash: int, tokens: tuple[int, ...], checksum: int,
+            src: torch.Tensor) -> bool:
+        """Write one block (a CPU tensor); False (counted, logged once) when the disk refuses."""
+        while self.full() and self.index:
+            self.drop(next(iter(self.index)))
+            self.stats.evicted_blocks += 1
+        header = json.dumps({"identity": self.identity, "hash": str(block_hash),
+                             "tokens": list(tokens), "checksum": str(checksum)}).encode()
+        path = self._path(block_hash)
+        tmp = path.with_name(path.name + _TMP)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(MAGIC + _HEADER_LEN.pack(len(header)) + header)
+                f.write(memoryview(src.contiguous().view(torch.uint8).numpy()))
+            os.replace(tmp, path)
+        except OSError as exc:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            self._error("write", exc)
+            return False
+        self.index[block_hash] = _Entry(tokens, checksum)
+        self.stats.blocks = len(self.index)
+        self.events.append((STORED, block_hash))
+        return True
+
+    def read(self, block_hash: int, e: _Entry) -> torch.Tensor | None:
+        """The block's KV (a CPU tensor), or None (the entry dropped) when the file is gone,
+        damaged or no longer this tier's."""
+        try:
+            with open(self._path(block_hash), "rb") as f:
+                header = _read_header(f)
+                data = f.read()
+        except (OSError, ValueError) as exc:
+            self._error("read", exc)
+            self.drop(block_hash)
+            return None
+        if (header.get("identity") != self.identity or int(header["hash"]) != block_hash
+                or len(data) != self.nbytes):
+            self.stats.ignored_files += 1
+            self.drop(block_hash)
+            return None
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).view(
+            self.block_shape)
+
+    def drop(self, block_hash: int) -> None:
+        if self.index.pop(block_hash, None) is not None:
+            try:
+                self._path(block_hash).unlink(missing_ok=True)
+            except OSError as exc:
+                self._error("remove", exc)
+            self.stats.blocks = len(self.index)
+            self.events.append((EVICTED, block_hash))
+
+    def _error(self, what: str, exc: OSError) -> None:
+        self.stats.errors += 1
+        if not self._warned:
+            self._warned = True
+            log.warning("KV offload disk tier %s: %s failed (%s); the blocks concerned are "
+                        "computed instead (further errors counted, not logged)", self.root, what,
+                        exc)
+
+
+def _fingerprint(identity: dict) -> str:
+    import hashlib
+    return hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(),
+                           digest_size=8).hexdigest()
+
+
+def _read_header(f) -> dict:
+    if f.read(len(MAGIC)) != MAGIC:
+        raise ValueError("not a KV block file")
+    (n,) = _HEADER_LEN.unpack(f.read(_HEADER_LEN.size))
+    if n > 1 << 20:
+        raise ValueError("header too long")
+    header = json.loads(f.read(n))
+    header["_len"] = n
+    return header
+
+
+def _data_offset(header: dict) -> int:
+    return len(MAGIC) + _HEADER_LEN.size + header["_len"]
+
+
+@dataclass
+class OffloadSettings:
+    host_blocks: int = 0
+    disk_dir: str = ""
+    disk_blocks: int = 0
+    min_seen: int = 1
+    identity: dict = field(default_factory=dict)   # the disk files' header
+
+
+class KVOffload:
+    """The tiers of one engine's pool. `pool()` returns the KV pool tensor
+    kv[layer, k_or_v, block, slot, kv_head, head_dim]; engine thread only."""
+
+    SEEN_LIMIT_FACTOR = 4          # hashes counted for the admission gate, per tier block
+
+    def __init__(self, settings: OffloadSettings, pool: Callable[[], torch.Tensor],
+                 block_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        """block_shape: one block of the pool, [layers, 2, block_size, kv_heads, head_dim]."""
+        self.settings = settings
+        self.block_size = block_shape[2]
+        self._pool = pool
+        self.device = device
+        self.block_nbytes = torch.Size(block_shape).numel() * torch.empty(
+            (), dtype=dtype).element_size()
+        self.host = HostTier(block_shape, dtype, settings.host_blocks,
+                             pin=device.type == "cuda") if settings.host_blocks else None
+        self.disk = DiskTier(settings.disk_dir, settings.identity, block_shape, dtype,
+                             settings.disk_blocks) if settings.disk_blocks else None
+        self._seen: OrderedDict[int, int] = OrderedDict()
+        self._seen_limit = max(1, self.SEEN_LIMIT_FACTOR * (settings.host_blocks
+                                                             + settings.disk_blocks))
+        # measured rates for the cost rule: bytes/s per tier, prompt tokens/s of the engine
+        self._bandwidth: dict[str, float] = {}
+        self.prompt_tokens_per_s: float | None = None
+
+    @property
+    def tiers(self) -> list:
+        return [t for t in (self.host, self.disk) if t is not None]
+
+    def stats(self) -> dict[str, dict]:
+        return {t.name: t.stats.as_dict() for t in self.tiers}
+
+    # ------------------------------------------------------------------ admission gate
+    def seen(self, block_hash: int) -> None:
+        """A prompt computed or looked up this block."""
+        self._seen[block_hash] = self._seen.pop(block_hash, 0) + 1
+        if len(self._seen) > self._seen_limit:
+            self._seen.popitem(last=False)
+
+    def note_prompt_rate(self, tokens: int, seconds: float) -> None:
+        """A step's prompt tokens and wall time (the engine, after each step with prompts)."""
+        if tokens > 0 and seconds > 0:
+            rate = tokens / seconds
+            old = self.prompt_tokens_per_s
+            self.prompt_tokens_per_s = rate if old is None else 0.8 * old + 0.2 * rate
+
+    # ------------------------------------------------------------------ store
+    def store(self, evicted: list[tuple[int, int, tuple[int, ...]]]) -> None:
+        """The pool is about to give these blocks (block id, hash, tokens) to other requests:
+        keep their KV in a tier. One checksum pass for all of them; the host tier's victims
+        move to the disk tier first."""
+        first = self.host or self.disk
+        keep = []
+        for b, h, toks in evicted:
+            if self._seen.get(h, 0) < self.settings.min_seen:
+                first.stats.rejected_blocks += 1
+            elif not any(h in t.index for t in self.tiers):   # else a copy is already kept
+                keep.append((b, h, toks))
+        if self.host is not None:
+            keep = keep[-self.host.stats.capacity_blocks:]    # the most recently used win
+        if not keep:
+            return
+        t0 = time.perf_counter()
+        kv = self._pool()
+        sums = block_checksums(kv, [b for b, _, _ in keep]).tolist()
+        if self.host is None:
+            for (b, h, toks), s in zip(keep, sums):
+                self._put_disk(h, toks, s, kv[:, :, b].to("cpu"))
+            return
+        while len(self.host.index) + len(keep) > self.host.stats.capacity_blocks:
+            vh, ve = next(iter(self.host.index.items()))
+            if self.disk is not None and vh not in self.disk.index:
+                self._put_disk(vh, ve.tokens, ve.checksum, self.host.read(ve))
+            self.host.drop(vh)
+            self.host.stats.evicted_blocks += 1
+        for (b, h, toks), s in zip(keep, sums):
+            self.host.put(h, toks, s, kv[:, :, b])
+        self._count_store(self.host, t0, len(keep))
+
+    def _put_disk(self, block_hash: int, tokens, checksum: int, src: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        if self.device.type == "cuda":      # the host tier's copy from the pool has landed
+            torch.cuda.current_stream(self.device).synchronize()
+        if self.disk.put(block_hash, tokens, checksum, src):
+            self._count_store(self.disk, t0, 1)
+
+    def _count_store(self, tier, t0: float, n: int) -> None:
+        tier.stats.stored_blocks += n
+        tier.stats.stored_bytes += n * self.block_nbytes
+        tier.stats.store_seconds += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ restore
+    def find_run(self, hashes: Sequence[int], tokens: Sequence[tuple[int, ...]]
+                 ) -> list[tuple[int, object, _Entry]]:
+        """The leading run of (hash, tier, entry) found in the tiers, worth restoring."""
+        run = []
+        for h, toks in zip(hashes, tokens):
+            for t in self.tiers:
+                e = t.find(h, toks)
+                if e is not None:
+                    t.stats.hits += 1
+                    run.append((h, t, e))
+                    break
+                t.stats.misses += 1
+            else:
+                break
+        bs = len(tokens[0]) if tokens else 0
+        keep = len(run)
+        for i, (_, t, _) in enumerate(run):        # a tier's part slower than computing: stop
+            if not self._worth_it(t, sum(1 for x in run[i:] if x[1] is t) * bs):
+                keep = i
+                break
+        for _, t, _ in run[keep:]:
+            t.stats.skipped_blocks += 1
+        return run[:keep]
+
+    def _worth_it(self, tier, num_tokens: int) -> bool:
+        bw, rate = self._bandwidth.get(tier.name), self.prompt_tokens_per_s
+        if bw is None or rate is None:
+            return True                            # not measured yet: try
+        return num_tokens / self.block_size * self.block_nbytes / bw < num_tokens / rate
+
+    def restore(self, run: list[tuple[int, object, _Entry]], block_ids: list[int]) -> int:
+        """Copy the run's blocks into `block_ids` (fresh pool blocks, as many), check each
+        checksum; -> how many leading blocks were restored intact. A failed block drops its
+        tier entry and ends the run."""
+        kv = self._pool()
+        t0 = time.perf_counter()
+        copied = []
+        for (h, tier, e), b in zip(run, block_ids):
+            if tier.index.get(h) is not e:
+                break                   # moved or dropped meanwhile (the pool's allocation)
+            data = tier.read(e) if tier is self.host else tier.read(h, e)
+            if data is None:
+                break
+            kv[:, :, b].copy_(data, non_blocking=True)
+            copied.append((h, tier, e, b))
+        if not copied:
+            return 0
+        sums = block_checksums(kv, [b for *_, b in copied]).tolist()
+        good = 0
+        for (h, tier, e, b), s in zip(copied, sums):
+            if s != e.checksum:
+                tier.stats.checksum_failures += 1
+                log.warning("KV offload %s tier: block %016x failed its checksum; it and the "
+                            "blocks after it are computed", tier.name, h)
+                tier.drop(h)
+                break
+            good += 1
+        seconds = time.perf_counter() - t0
+        by_tier: dict[str, int] = {}
+        for h, tier, e, b in copied[:good]:
+            tier.stats.restored_blocks += 1
+            tier.stats.restored_bytes += self.block_nbytes
+            by_tier[tier.name] = by_tier.get(tier.name, 0) + 1
+        for tier in self.tiers:
+            n = by_tier.get(tier.name, 0)
+            if n:
+                share = seconds * n / good
+                tier.stats.restore_seconds += share
+                rate = n * self.block_nbytes / max(share, 1e-9)
+                old = self._bandwidth.get(tier.name)
+                self._bandwidth[tier.name] = rate if old is None else 0.8 * old + 0.2 * rate
+        return good
+
+
+__all__ = ["DiskTier", "HostTier", "KVOffload", "OffloadSettings", "TierStats"]

@@ -1,0 +1,117 @@
+"""The KV offload rows of `make gpu-check` (pdserve.gpucheck calls `run`; on CPUs `--quick` runs
+them on tiny shapes as a smoke test):
+
+  bandwidth   a Llama-3-8B-shaped pool (bf16, 32 layers, 8 KV heads of 128, blocks of 16
+              tokens: 2 MiB a block): blocks stored into the host tier (engine.kv_offload, the
+              path an eviction takes: checksum, copy into page-locked memory) and restored into
+              other pool blocks (copy, checksum compared), against a plain copy of as many
+              bytes between the device and page-locked memory. Target: >= 70% of it each way.
+  race        restores while matmuls run on another stream: every restored block's checksum
+              compared, and the pool's blocks equal to what was stored
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from pdserve.gpucheck_device import sync
+
+TARGET_SHARE = 0.7
+
+
+def _offload(kv: torch.Tensor, blocks: int):
+    from engine.kv_offload import KVOffload, OffloadSettings
+
+    shape = (kv.shape[0], kv.shape[1], *kv.shape[3:])
+    return KVOffload(OffloadSettings(host_blocks=blocks), lambda: kv, shape, kv.dtype, kv.device)
+
+
+def _store_all(off, kv: torch.Tensor, ids: list[int]) -> float:
+    sync(kv.device)
+    t0 = time.perf_counter()
+    for b in ids:
+        off.seen(1000 + b)
+    off.store([(b, 1000 + b, (b,)) for b in ids])       # one allocation's evictions
+    sync(kv.device)
+    return time.perf_counter() - t0
+
+
+def _restore_all(off, kv: torch.Tensor, ids: list[int], into: list[int]) -> tuple[float, int]:
+    hashes = [1000 + b for b in ids]
+    sync(kv.device)
+    t0 = time.perf_counter()
+    run = off.find_run(hashes, [(b,) for b in ids])
+    good = off.restore(run, into)
+    sync(kv.device)
+    return time.perf_counter() - t0, good
+
+
+def _plain_copies(kv: torch.Tensor, n: int) -> tuple[float, float]:
+    """Seconds of a device -> page-locked copy of n blocks' bytes, and back."""
+    per = kv[:, :, 0].numel()
+    src = torch.empty(n * per, dtype=kv.dtype, device=kv.device)
+    host = torch.empty(n * per, dtype=kv.dtype, pin_memory=kv.device.type == "cuda")
+    times = []
+    for dst, source in ((host, src), (src, host)):
+        dst.copy_(source, non_blocking=True)        # warm
+        sync(kv.device)
+        t0 = time.perf_counter()
+        dst.copy_(source, non_blocking=True)
+        sync(kv.device)
+        times.append(time.perf_counter() - t0)
+    return times[0], times[1]
+
+
+def run(report, device: str, quick: bool) -> None:
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    layers, heads, dim, blocks = (2, 2, 16, 16) if quick else (32, 8, 128, 256)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    kv = torch.randn(layers, 2, 2 * blocks, 16, heads, dim, device=dev).to(dtype)
+    per_block = kv[:, :, 0].numel() * kv.element_size()
+    ids, into = list(range(blocks)), list(range(blocks, 2 * blocks))
+    want = kv[:, :, :blocks].clone()
+    off = _offload(kv, blocks)
+    _store_all(_offload(kv, blocks), kv, ids[:4])          # warm the paths
+    store_s = _store_all(off, kv, ids)
+    restore_s, good = _restore_all(off, kv, ids, into)
+    d2h_s, h2d_s = _plain_copies(kv, blocks)
+    nbytes = blocks * per_block
+    intact = good == blocks and torch.equal(kv[:, :, blocks:], want)
+    for what, secs, plain in (("store (device -> host tier)", store_s, d2h_s),
+                              ("restore (host tier -> device)", restore_s, h2d_s)):
+        share = plain / secs if secs > 0 else 0.0
+        report.add("kv offload", f"{what}, {blocks} blocks of {per_block / 2**20:.2f} MiB",
+                   f"{nbytes / secs / 1e9:.2f} GB/s, {share:.0%} of a plain page-locked copy "
+                   f"({nbytes / plain / 1e9:.2f} GB/s){'' if intact else ', CORRUPTED'}",
+                   f">= {TARGET_SHARE:.0%}, intact",
+                   intact if quick or not cuda else intact and share >= TARGET_SHARE)
+    race(report, kv, off, ids, into, want, cuda)
+
+
+def race(report, kv: torch.Tensor, off, ids: list[int], into: list[int], want: torch.Tensor,
+         cuda: bool) -> None:
+    """Restores on the engine's stream while another stream computes: every checksum must
+    match and every block be what was stored."""
+    kv[:, :, into] = 0
+    side = torch.cuda.Stream(kv.device) if cuda else None
+    x = torch.randn(2048, 2048, device=kv.device, dtype=kv.dtype)
+    rounds, failures = 4, 0
+    for _ in range(rounds):
+        if side is not None:
+            with torch.cuda.stream(side):
+                for _ in range(8):
+                    x = torch.tanh(x @ x)
+        _, good = _restore_all(off, kv, ids, into)
+        failures += len(ids) - good
+        kv[:, :, into] = 0
+    _, good = _restore_all(off, kv, ids, into)
+    sync(kv.device)
+    intact = good == len(ids) and torch.equal(kv[:, :, into], want)
+    sums = sum(t.stats.checksum_failures for t in off.tiers)
+    report.add("kv offload", f"restores racing compute on another stream ({rounds + 1} rounds "
+               f"of {len(ids)} blocks)", f"{failures} blocks refused, {sums} checksum failures, "
+               f"{'intact' if intact else 'CORRUPTED'}", "none, intact",
+               intact and failures == 0 and sums == 0)

@@ -1,0 +1,267 @@
+"""The KV offload tiers (engine.kv_offload): stores at eviction, restores at admission, the
+admission gate, LRU between host and disk, checksums on every restore, the disk tier across a
+restart and against another model's files, disk errors; and the engine with a pool too small for
+its prompts, token-exact with HF with a tier corrupted."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+from engine.kv_offload import DiskTier, KVOffload, OffloadSettings
+from engine.request import Request, SamplingParams
+from tests.conftest import make_engine
+from tests.test_batching import run
+from tests.test_e2e import hf, hf_greedy  # noqa: F401 - the module fixture
+
+SHAPE = (2, 2, 4, 1, 3)                  # one block: 2 layers, K/V, 4 slots, 1 head, dim 3
+IDENTITY = {"model": "m", "dtype": "float32", "hash_seed": "0"}
+
+
+def pool(num_blocks=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((SHAPE[0], SHAPE[1], num_blocks, *SHAPE[2:]), generator=g)
+
+
+def tiers(kv, host=2, disk_dir="", disk=0, min_seen=1):
+    return KVOffload(OffloadSettings(host, disk_dir, disk, min_seen, IDENTITY), lambda: kv,
+                     SHAPE, torch.float32, torch.device("cpu"))
+
+
+def toks(h):
+    return (h, h, h, h)
+
+
+def stored(off, kv, h, b):
+    off.seen(h)
+    off.store([(b, h, toks(h))])
+
+
+def restore(off, kv, hashes, into):
+    run_ = off.find_run(hashes, [toks(h) for h in hashes])
+    return off.restore(run_, into[:len(run_)]), len(run_)
+
+
+def test_host_tier_round_trip_lru_and_admission_gate():
+    kv = pool()
+    off = tiers(kv, host=2, min_seen=2)
+    off.store([(0, 10, toks(10))])                        # seen never: the gate refuses
+    assert off.host.stats.rejected_blocks == 1 and not off.host.index
+    off.seen(10)
+    off.store([(0, 10, toks(10))])                        # seen once: still refused
+    assert off.host.stats.rejected_blocks == 2
+    for h, b in ((10, 0), (11, 1), (12, 2)):              # 10 now seen twice; 11, 12 too
+        off.seen(h)
+        off.seen(h)
+        off.store([(b, h, toks(h))])
+    assert list(off.host.index) == [11, 12] and off.host.stats.evicted_blocks == 1
+    want = kv[:, :, 1:3].clone()
+    kv[:, :, 1:3] = 0                                    # the pool reused the blocks
+    assert restore(off, kv, [11, 12], [5, 6]) == (2, 2)
+    assert torch.equal(kv[:, :, 5:7], want)
+    assert off.host.stats.restored_blocks == 2 and off.host.stats.hits == 2
+    # a run stops at the first block no tier holds, and the tokens must match too
+    assert off.find_run([11, 99, 12], [toks(11), toks(99), toks(12)])[-1][0] == 11
+    assert off.find_run([11], [(0, 0, 0, 0)]) == []
+
+
+def test_a_corrupted_host_block_ends_the_run_and_is_counted():
+    kv = pool()
+    off = tiers(kv, host=4)
+    for h, b in ((1, 0), (2, 1), (3, 2)):
+        stored(off, kv, h, b)
+    e = off.host.index[2]
+    off.host.data[e.slot].view(-1)[5] += 1.0             # a bit of memory gone wrong
+    assert restore(off, kv, [1, 2, 3], [4, 5, 6]) == (1, 3)
+    assert off.host.stats.checksum_failures == 1 and 2 not in off.host.index
+    assert off.host.stats.restored_blocks == 1
+
+
+def test_host_victims_go_to_disk_and_survive_a_restart(tmp_path):
+    kv = pool()
+    off = tiers(kv, host=1, disk_dir=str(tmp_path), disk=4)
+    for h, b in ((1, 0), (2, 1), (3, 2)):
+        stored(off, kv, h, b)
+    assert list(off.host.index) == [3] and sorted(off.disk.index) == [1, 2]
+    want = kv[:, :, 0:3].clone()
+    # a new process: the same folder, an empty pool
+    kv2 = torch.zeros_like(kv)
+    again = tiers(kv2, host=1, disk_dir=str(tmp_path), disk=4)
+    assert sorted(again.disk.index) == [1, 2] and again.host.stats.blocks == 0
+    assert restore(again, kv2, [1, 2], [0, 1]) == (2, 2)
+    assert torch.equal(kv2[:, :, 0:2], want[:, :, 0:2])
+    assert again.disk.stats.restored_blocks == 2
+
+
+def test_disk_files_of_another_model_half_written_or_damaged_are_not_loaded(tmp_path):
+    kv = pool()
+    off = tiers(kv, host=0, disk_dir=str(tmp_path), disk=4)
+    for h, b in ((1, 0), (2, 1)):
+        stored(off, kv, h, b)
+    root = off.disk.root
+    (root / "00000000000000ff.kvb.tmp").write_bytes(b"half")      # killed mid-store
+    other = DiskTier(tmp_path, dict(IDENTITY, model="another"), SHAPE, torch.float32, 4)
+    assert other.root != root and not other.index               # its own folder: nothing
+    f = root / f"{1:016x}.kvb"
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0x40                                            # a flipped bit in the KV
+    f.write_bytes(bytes(data))
+    again = tiers(torch.zeros_like(kv), host=0, disk_dir=str(tmp_path), disk=4)
+    assert not (root / "00000000000000ff.kvb.tmp").exists()
+    assert sorted(again.disk.index) == [1, 2]
+    assert restore(again, again._pool(), [1, 2], [0, 1]) == (0, 2)   # block 1 fails: none used
+    assert again.disk.stats.checksum_failures == 1 and 1 not in again.disk.index
+    # the header names the identity: a foreign header in this folder is ignored
+    foreign = DiskTier(tmp_path / "x", dict(IDENTITY, dtype="float16"), SHAPE, torch.float32, 4)
+    foreign.put(7, toks(7), 0, kv[:, :, 0])
+    os.replace(foreign.root / f"{7:016x}.kvb", root / f"{7:016x}.kvb")
+    third = tiers(torch.zeros_like(kv), host=0, disk_dir=str(tmp_path), disk=4)
+    assert 7 not in third.disk.index and third.disk.stats.ignored_files == 1
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_disk_is_counted_not_raised(tmp_path):
+    kv = pool()
+    off = tiers(kv, host=0, disk_dir=str(tmp_path), disk=4)
+    os.chmod(off.disk.root, 0o500)
+    try:
+        stored(off, kv, 1, 0)
+    finally:
+        os.chmod(off.disk.root, 0o700)
+    assert off.disk.stats.errors == 1 and not off.disk.index
+
+
+def test_a_disk_that_fails_writes_is_counted_not_raised(tmp_path, monkeypatch):
+    # ENOSPC (or a read-only mount, as root is not stopped by permissions) on write
+    kv = pool()
+    off = tiers(kv, host=1, disk_dir=str(tmp_path), disk=4)
+    import builtins
+    real_open = builtins.open
+
+    def full_disk(path, mode="r", *a, **kw):
+        if "w" in mode and str(path).endswith(".tmp"):
+            raise OSError(28, "No space left on device")
+        return real_open(path, mode, *a, **kw)
+
+    monkeypatch.setattr(builtins, "open", full_disk)
+    for h, b in ((1, 0), (2, 1), (3, 2)):
+        stored(off, kv, h, b)
+    monkeypatch.undo()
+    assert off.disk.stats.errors == 2 and not off.disk.index and list(off.host.index) == [3]
+    assert not list(off.disk.root.iterdir())                   # no temporary left
+
+
+def test_the_cost_rule_skips_a_restore_slower_than_computing():
+    kv = pool()
+    off = tiers(kv, host=4)
+    stored(off, kv, 1, 0)
+    off._bandwidth["host"] = 1.0                  # 1 byte/s: far slower than computing
+    off.note_prompt_rate(1000, 1.0)
+    assert off.find_run([1], [toks(1)]) == [] and off.host.stats.skipped_blocks == 1
+    off._bandwidth["host"] = 1e12
+    assert len(off.find_run([1], [toks(1)])) == 1
+
+
+# ---------------------------------------------------------------------- in the engine
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+# 24 blocks of 4 tokens: each 40-token prompt (+ 6) takes 12, so the third evicts the first
+small = functools.partial(make_engine, num_blocks=24, block_size=4, max_num_batched_tokens=64)
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 120, (40,), generator=g).tolist() for _ in range(3)]
+
+
+def _turns(engine, prompts):
+    """Prompt 0, then 1 and 2 (which push 0's blocks out of the pool), then 0 again."""
+    first = run(engine, [Request("a", prompts[0], GREEDY)])["a"]
+    run(engine, [Request("b", prompts[1], GREEDY)])
+    run(engine, [Request("c", prompts[2], GREEDY)])
+    again = run(engine, [Request("a2", prompts[0], GREEDY)])["a2"]
+    return first, again
+
+
+def test_engine_restores_an_evicted_prefix_from_the_host_tier(tiny_model_dir):
+    engine = small(tiny_model_dir, kv_offload_gib=0.001)
+    first, again = _turns(engine, _prompts())
+    s = engine.offload.stats()["host"]
+    assert again == first
+    assert s["stored_blocks"] >= 10 and s["restored_blocks"] == 9   # 39 tokens: 9 full blocks
+    assert engine.kv_manager.hit_tokens == 36
+    free = engine.pool.num_free
+    assert free == engine.pool.num_blocks                          # nothing leaked
+    plain = small(tiny_model_dir)
+    _turns(plain, _prompts())
+    assert plain.kv_manager.hit_tokens == 0                        # without: computed again
+
+
+def test_engine_answer_stays_hf_exact_with_corrupted_tiers(model_dir, hf, tmp_path):
+    engine = make_engine(model_dir, num_blocks=24, block_size=4, max_num_batched_tokens=64,
+                         kv_offload_gib=0.005, kv_offload_dir=str(tmp_path),
+                         kv_offload_disk_gib=0.05)
+    prompts = _prompts()
+    want = hf_greedy(hf, prompts[0], GREEDY.max_tokens)
+    first = run(engine, [Request("a", prompts[0], GREEDY)])["a"]
+    run(engine, [Request("b", prompts[1], GREEDY)])
+    run(engine, [Request("c", prompts[2], GREEDY)])
+    off = engine.offload
+    # a host block and a disk file of prompt 0's prefix go bad
+    hashes = engine.kv_manager.hasher.hashes(prompts[0])
+    host_hit = next(h for h in hashes if h in off.host.index)
+    off.host.data[off.host.index[host_hit].slot].view(-1)[0] += 1.0
+    on_disk = [h for h in hashes if h in off.disk.index]
+    if on_disk:
+        f = off.disk.root / f"{on_disk[0]:016x}.kvb"
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 1
+        f.write_bytes(bytes(data))
+    again = run(engine, [Request("a2", prompts[0], GREEDY)])["a2"]
+    stats = off.stats()
+    assert first == want and again == want
+    assert stats["host"]["checksum_failures"] + stats["disk"]["checksum_failures"] >= 1
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_offload_settings_are_checked(tiny_model_dir):
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="both kv_offload_dir"):
+        EngineConfig(kv_offload_disk_gib=1)
+    with pytest.raises(ValueError, match="prefix cache"):
+        EngineConfig(kv_offload_gib=1, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        EngineConfig(kv_offload_gib=1, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="hold no block"):
+        small(tiny_model_dir, kv_offload_gib=1e-9)
+
+
+def test_one_allocation_stores_its_evictions_together_and_keeps_the_newest():
+    kv = pool()
+    off = tiers(kv, host=2)
+    for h in (1, 2, 3):
+        off.seen(h)
+    off.store([(0, 1, toks(1)), (1, 2, toks(2)), (2, 3, toks(3))])
+    assert list(off.host.index) == [2, 3] and off.host.stats.stored_blocks == 2
+    off.store([(1, 2, toks(2))])                         # already kept: not again
+    assert off.host.stats.stored_blocks == 2
+
+
+def test_tier_counters_reach_the_worker_metrics():
+    from prometheus_client import generate_latest
+
+    from cluster.metrics import WorkerMetrics
+
+    kv = pool()
+    off = tiers(kv, host=2)
+    stored(off, kv, 1, 0)
+    restore(off, kv, [1], [3])
+    m = WorkerMetrics("decode", "d1", 8, lambda: (0, 0, 8), offload=off.stats)
+    text = generate_latest(m.registry).decode()
+    labels = 'role="decode",tier="host",worker="d1"'
+    assert f"pdserve_kv_offload_restored_blocks_total{{{labels}}} 1.0" in text
+    assert f"pdserve_kv_offload_stored_bytes_total{{{labels}}} {float(off.block_nbytes)}" in text
+    assert f"pdserve_kv_offload_capacity_blocks{{{labels}}} 2.0" in text
