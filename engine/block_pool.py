@@ -119,6 +119,13 @@ class BlockPool:
     def cached_hashes(self) -> list[int]:
         return list(self._cached)
 
+    def cached_blocks(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(block id, hash, tokens) of every cached block, least recently freed first (blocks
+        in use last)."""
+        order = [b for b in self._free if self._hash_of[b] is not None]
+        order += [b for b in self._cached.values() if self._ref[b] > 0]
+        return [(b, self._hash_of[b], self._tokens_of[b]) for b in order]
+
     def _evict(self, b: int) -> None:
         h = self._hash_of[b]
         if h is None:

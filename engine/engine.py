@@ -124,7 +124,15 @@ class Engine:
         return offload
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do with one); idempotent."""
+        """Stop the other tensor-parallel ranks (nothing to do with one); with a disk offload
+        tier, write the host tier's and the pool's cached blocks to it (a restarted worker finds
+        them); idempotent."""
+        offload, self.offload = getattr(self, "offload", None), None
+        if offload is not None:
+            written = offload.flush(self.pool.cached_blocks())
+            if written:
+                log.info("KV offload: %d blocks written to the disk tier for the next start",
+                         written)
         ranks, self.ranks = self.ranks, None
         if ranks is not None:
             ranks.close(self.runner)

@@ -388,6 +388,24 @@ class KVOffload:
         tier.stats.stored_bytes += n * self.block_nbytes
         tier.stats.store_seconds += time.perf_counter() - t0
 
+    def flush(self, pool_blocks: list[tuple[int, int, tuple[int, ...]]]) -> int:
+        """At shutdown, with a disk tier: what the host tier and the pool hold (`pool_blocks`,
+        engine.block_pool.cached_blocks) goes to disk, oldest first, so a restarted worker
+        finds it; -> blocks written."""
+        if self.disk is None:
+            return 0
+        before = self.disk.stats.stored_blocks
+        if self.host is not None:
+            for h, e in list(self.host.index.items()):
+                if h not in self.disk.index:
+                    self._put_disk(h, e.tokens, e.checksum, self.host.read(e))
+        kv = self._pool()
+        keep = [(b, h, t) for b, h, t in pool_blocks if h not in self.disk.index]
+        sums = block_checksums(kv, [b for b, _, _ in keep]).tolist() if keep else []
+        for (b, h, toks), s in zip(keep, sums):
+            self._put_disk(h, toks, s, kv[:, :, b].to("cpu"))
+        return self.disk.stats.stored_blocks - before
+
     # ------------------------------------------------------------------ restore
     def find_run(self, hashes: Sequence[int], tokens: Sequence[tuple[int, ...]]
                  ) -> list[tuple[int, object, _Entry]]:

@@ -199,6 +199,22 @@ def test_engine_restores_an_evicted_prefix_from_the_host_tier(tiny_model_dir):
     assert plain.kv_manager.hit_tokens == 0                        # without: computed again
 
 
+def test_a_restarted_engine_serves_a_returning_prompt_from_its_disk_tier(tiny_model_dir,
+                                                                       tmp_path):
+    prompts = _prompts()
+    disk = dict(kv_offload_gib=0.001, kv_offload_dir=str(tmp_path), kv_offload_disk_gib=0.01)
+    engine = small(tiny_model_dir, **disk)
+    first = run(engine, [Request("a", prompts[0], GREEDY)])["a"]
+    engine.close()                            # the pool's and host tier's blocks go to disk
+    again = small(tiny_model_dir, **disk)
+    assert len(again.offload.disk.index) >= 9
+    second = run(again, [Request("a", prompts[0], GREEDY)])["a"]
+    assert second == first and again.offload.stats()["disk"]["restored_blocks"] == 9
+    assert again.kv_manager.hit_tokens == 36
+    other = small(tiny_model_dir, **disk, hash_seed=1)       # another seed: nothing found
+    assert not other.offload.disk.index
+
+
 def test_engine_answer_stays_hf_exact_with_corrupted_tiers(model_dir, hf, tmp_path):
     engine = make_engine(model_dir, num_blocks=24, block_size=4, max_num_batched_tokens=64,
                          kv_offload_gib=0.005, kv_offload_dir=str(tmp_path),
