@@ -168,7 +168,12 @@ class KVCacheManager:
             for h in hashes[:len(out)]:
                 self.offload.seen(h)
             if len(out) < limit:
-                out += self._restore(hashes[len(out):limit], tokens, len(out))
+                found = list(out)
+                self.pool.take(found)   # the blocks found must not be handed to the restore
+                try:
+                    out += self._restore(hashes[len(out):limit], tokens, len(out))
+                finally:
+                    self.pool.free(found)
         return out
 
     def _restore(self, hashes: list[int], tokens, start: int) -> list[int]:

@@ -199,6 +199,25 @@ def test_engine_restores_an_evicted_prefix_from_the_host_tier(tiny_model_dir):
     assert plain.kv_manager.hit_tokens == 0                        # without: computed again
 
 
+def test_a_restore_never_takes_the_pool_blocks_the_same_prompt_hit(tiny_model_dir):
+    # the prompt's first blocks are cached and free at the head of the free queue, its later
+    # ones in the host tier: the restore's allocation must take other blocks
+    engine = small(tiny_model_dir, kv_offload_gib=0.001, num_blocks=14)
+    kvm, pool_ = engine.kv_manager, engine.pool
+    prompt = _prompts()[0]
+    run(engine, [Request("a", prompt, GREEDY)])            # 10 blocks cached, then free
+    hashes = kvm.hasher.hashes(prompt)
+    cached = pool_.cached_blocks()
+    keep = {h for _, h, _ in cached[-3:]}                   # evict all but 3 (the last freed)
+    pool_.free(pool_.allocate(pool_.num_free - 3))
+    assert {h for _, h, _ in pool_.cached_blocks()} == keep
+    req = Request("again", prompt, GREEDY)
+    hits = kvm.cached_prefix(req, len(prompt) - 1)
+    assert len(hits) == 9 and len(set(hits)) == 9
+    for i, b in enumerate(hits):                             # each block holds its own hash
+        assert pool_.lookup(hashes[i], prompt[i * 4:(i + 1) * 4]) == b
+
+
 def test_a_restarted_engine_serves_a_returning_prompt_from_its_disk_tier(tiny_model_dir,
                                                                        tmp_path):
     prompts = _prompts()
