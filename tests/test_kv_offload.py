@@ -300,3 +300,45 @@ def test_tier_counters_reach_the_worker_metrics():
     assert f"pdserve_kv_offload_restored_blocks_total{{{labels}}} 1.0" in text
     assert f"pdserve_kv_offload_stored_bytes_total{{{labels}}} {float(off.block_nbytes)}" in text
     assert f"pdserve_kv_offload_capacity_blocks{{{labels}}} 2.0" in text
+
+
+_STORE_FOREVER = """
+import sys, torch
+from engine.kv_offload import KVOffload, OffloadSettings
+shape = (2, 2, 4, 1, 3)
+kv = torch.randn(shape[0], shape[1], 8, *shape[2:], generator=torch.Generator().manual_seed(0))
+off = KVOffload(OffloadSettings(0, sys.argv[1], 64, 1, {"model": "m"}), lambda: kv, shape,
+                torch.float32, torch.device("cpu"))
+h = 0
+while True:
+    h += 1
+    off.seen(h)
+    off.store([(h % 8, h, (h,) * 4)])
+"""
+
+
+def test_a_worker_killed_mid_store_leaves_a_consistent_disk_tier(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, "-c", _STORE_FOREVER, str(tmp_path)], cwd=root)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(list(tmp_path.rglob("*.kvb"))) < 64:
+            time.sleep(0.05)
+        time.sleep(0.2)                       # it is replacing its oldest files now
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    kv = torch.zeros(2, 2, 64, 4, 1, 3)
+    again = KVOffload(OffloadSettings(0, str(tmp_path), 64, 1, {"model": "m"}), lambda: kv,
+                      SHAPE, torch.float32, torch.device("cpu"))
+    found = list(again.disk.index)
+    assert len(found) >= 32 and not list(tmp_path.rglob("*.tmp"))
+    assert again.disk.stats.ignored_files == 0
+    run_ = [(h, again.disk, again.disk.index[h]) for h in found]
+    assert again.restore(run_, list(range(len(found)))) == len(found)   # every one intact
