@@ -33,8 +33,9 @@ class _ReadCounters:
 
 # the KV offload tiers' counters (engine.kv_offload.TierStats), read when scraped
 _OFFLOAD_COUNTERS = {
-    "hits": ("pdserve_kv_offload_hits_blocks", "Prompt blocks found in the tier"),
-    "misses": ("pdserve_kv_offload_misses_blocks", "Prompt lookups that missed the tier"),
+    "hits": ("pdserve_kv_offload_hits_blocks", "Blocks found in the tier and read for a prompt"),
+    "misses": ("pdserve_kv_offload_misses_blocks", "Lookups that missed the tier (a prompt "
+               "waiting for room is looked up each step)"),
     "stored_blocks": ("pdserve_kv_offload_stored_blocks", "Blocks stored in the tier"),
     "stored_bytes": ("pdserve_kv_offload_stored_bytes", "Bytes stored in the tier"),
     "store_seconds": ("pdserve_kv_offload_store_seconds", "Time spent storing (bytes / this: "

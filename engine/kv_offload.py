@@ -61,8 +61,9 @@ _SUFFIX = ".kvb"
 class TierStats:
     """One tier's counters (metrics: pdserve_kv_offload_*{tier=...})."""
 
-    hits: int = 0                  # blocks found here by a prompt (restored or not)
-    misses: int = 0                # prompt lookups that reached this tier and missed
+    hits: int = 0                  # blocks found here and read for a prompt
+    misses: int = 0                # lookups that reached this tier and missed (a prompt
+    #                                waiting for room in the pool is looked up each step)
     stored_blocks: int = 0
     stored_bytes: int = 0
     store_seconds: float = 0.0
@@ -415,7 +416,6 @@ class KVOffload:
             for t in self.tiers:
                 e = t.find(h, toks)
                 if e is not None:
-                    t.stats.hits += 1
                     run.append((h, t, e))
                     break
                 t.stats.misses += 1
@@ -447,6 +447,7 @@ class KVOffload:
         for (h, tier, e), b in zip(run, block_ids):
             if tier.index.get(h) is not e:
                 break                   # moved or dropped meanwhile (the pool's allocation)
+            tier.stats.hits += 1
             data = tier.read(e) if tier is self.host else tier.read(h, e)
             if data is None:
                 break
