@@ -32,34 +32,35 @@ class _ReadCounters:
 
 
 # the KV offload tiers' counters (engine.kv_offload.TierStats), read when scraped
-_OFFLOAD_COUNTERS = {
-    "hits": ("pdserve_kv_offload_hits_blocks", "Blocks found in the tier and read for a prompt"),
-    "misses": ("pdserve_kv_offload_misses_blocks", "Lookups that missed the tier (a prompt "
+_OFFLOAD_COUNTERS = (
+    ("hits", "pdserve_kv_offload_hits_blocks", "Blocks found in the tier and read for a "
+     "prompt"),
+    ("misses", "pdserve_kv_offload_misses_blocks", "Lookups that missed the tier (a prompt "
                "waiting for room is looked up each step)"),
-    "stored_blocks": ("pdserve_kv_offload_stored_blocks", "Blocks stored in the tier"),
-    "stored_bytes": ("pdserve_kv_offload_stored_bytes", "Bytes stored in the tier"),
-    "store_seconds": ("pdserve_kv_offload_store_seconds", "Time spent storing (bytes / this: "
+    ("stored_blocks", "pdserve_kv_offload_stored_blocks", "Blocks stored in the tier"),
+    ("stored_bytes", "pdserve_kv_offload_stored_bytes", "Bytes stored in the tier"),
+    ("store_seconds", "pdserve_kv_offload_store_seconds", "Time spent storing (bytes / this: "
                       "store bandwidth)"),
-    "restored_blocks": ("pdserve_kv_offload_restored_blocks", "Blocks restored into the pool"),
-    "restored_bytes": ("pdserve_kv_offload_restored_bytes", "Bytes restored into the pool"),
-    "restore_seconds": ("pdserve_kv_offload_restore_seconds", "Time spent restoring, checksums "
+    ("restored_blocks", "pdserve_kv_offload_restored_blocks", "Blocks restored into the pool"),
+    ("restored_bytes", "pdserve_kv_offload_restored_bytes", "Bytes restored into the pool"),
+    ("restore_seconds", "pdserve_kv_offload_restore_seconds", "Time spent restoring, checksums "
                         "included (bytes / this: restore bandwidth)"),
-    "skipped_blocks": ("pdserve_kv_offload_skipped_blocks", "Hits not restored: computing them "
+    ("skipped_blocks", "pdserve_kv_offload_skipped_blocks", "Hits not restored: computing them "
                        "was cheaper"),
-    "evicted_blocks": ("pdserve_kv_offload_evicted_blocks", "Blocks dropped or moved down a tier "
+    ("evicted_blocks", "pdserve_kv_offload_evicted_blocks", "Blocks dropped or moved down a tier "
                        "to make room"),
-    "rejected_blocks": ("pdserve_kv_offload_rejected_blocks", "Evicted blocks the admission gate "
+    ("rejected_blocks", "pdserve_kv_offload_rejected_blocks", "Evicted blocks the admission gate "
                         "kept out (seen fewer than --kv-offload-min-seen times)"),
-    "checksum_failures": ("pdserve_kv_offload_checksum_failures", "Restored blocks whose checksum "
+    ("checksum_failures", "pdserve_kv_offload_checksum_failures", "Restored blocks whose checksum "
                           "differed (they and the blocks after them were computed)"),
-    "errors": ("pdserve_kv_offload_errors", "I/O errors of the tier (its blocks are computed)"),
-    "ignored_files": ("pdserve_kv_offload_ignored_files", "Disk files of another model, dtype, "
+    ("errors", "pdserve_kv_offload_errors", "I/O errors of the tier (its blocks are computed)"),
+    ("ignored_files", "pdserve_kv_offload_ignored_files", "Disk files of another model, dtype, "
                       "layout or hash seed, or damaged: not loaded"),
-}
-_OFFLOAD_GAUGES = {
-    "blocks": ("pdserve_kv_offload_blocks", "Blocks held in the tier"),
-    "capacity_blocks": ("pdserve_kv_offload_capacity_blocks", "Blocks the tier can hold"),
-}
+)
+_OFFLOAD_GAUGES = (
+    ("blocks", "pdserve_kv_offload_blocks", "Blocks held in the tier"),
+    ("capacity_blocks", "pdserve_kv_offload_capacity_blocks", "Blocks the tier can hold"),
+)
 
 
 class _OffloadCollector:
@@ -71,7 +72,7 @@ class _OffloadCollector:
         names = [*self.labels, "tier"]
         for table, family_type in ((_OFFLOAD_COUNTERS, CounterMetricFamily),
                                    (_OFFLOAD_GAUGES, GaugeMetricFamily)):
-            for key, (name, doc) in table.items():
+            for key, name, doc in table:
                 family = family_type(name, doc, labels=names)
                 for tier, stats in tiers.items():
                     family.add_metric([*self.labels.values(), tier], stats[key])
