@@ -251,7 +251,7 @@ def test_rejection_path_with_a_one_token_nucleus_equals_greedy(tiny_model_dir):
 
 def test_preemption_with_speculation_keeps_greedy_output(tiny_model_dir):
     plain = run(engine(tiny_model_dir), requests())
-    eng = engine(tiny_model_dir, num_blocks=24, speculative=f"draft:{tiny_model_dir}")
+    eng = engine(tiny_model_dir, num_blocks=20, speculative=f"draft:{tiny_model_dir}")
     assert run(eng, requests()) == plain
     assert eng.stats.preemptions > 0
     _pools_free(eng)
