@@ -18,7 +18,7 @@ ENV PIP_NO_CACHE_DIR=1 \
 
 WORKDIR /app
 
-# g++: the CPU linear kernel (kernels/csrc) is compiled on first use; Triton needs it on GPUs too.
+# g++: the CPU linear kernel (pdkernels/csrc) is compiled on first use; Triton needs it on GPUs too.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 
 # torch first, from the chosen wheel index, in its own layer (it is most of the image). A CUDA

@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdserve-installed
 # Pinned and installed first: a bare `pip install torch` pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
-# Triton: the GPU kernels (kernels/); on CPUs their tests run under its interpreter.
+# Triton: the GPU kernels (pdkernels/); on CPUs their tests run under its interpreter.
 TRITON ?= triton==3.9.0
 SUDO := $(shell [ "$$(id -u)" = 0 ] || ! command -v sudo >/dev/null || echo sudo)
 
@@ -51,9 +51,9 @@ gpu-check:
 
 # Every Triton kernel compiled for an sm_90 GPU on this machine (no GPU needed), at the launch
 # parameters the engine uses: registers, spills, shared memory per launch; fails on a compile
-# error or a spill in bf16 / fp16. The test suite compiles a subset (kernels.aot --quick).
+# error or a spill in bf16 / fp16. The test suite compiles a subset (pdkernels.aot --quick).
 kernels-aot: $(STAMP)
-	$(PY) -m kernels.aot $(KERNELS_AOT_ARGS)
+	$(PY) -m pdkernels.aot $(KERNELS_AOT_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache proto/*_pb2.py proto/*_pb2_grpc.py proto/*_pb2.pyi

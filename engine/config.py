@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_build
+from pdkernels import cpu_build
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

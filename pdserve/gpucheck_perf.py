@@ -79,7 +79,7 @@ def quantized_layers(report, section: str, model, four_bit: bool, device,
     """How the quantized layers are held and launched: packed 4-bit where the scheme is, and
     the Triton kernel's grid at batch 1 for each projection shape (programs against SMs; no
     target for --quick's tiny shapes)."""
-    from kernels.triton_quant_linear import num_sms_of, plan
+    from pdkernels.triton_quant_linear import num_sms_of, plan
 
     layers = [m for m in model.modules() if hasattr(m, "qweight")]
     packed = sum(getattr(m, "qbits", 8) == 4 for m in layers)

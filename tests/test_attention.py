@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_attention
+from pdkernels import cpu_attention
 
 from engine.attention.torch_backend import (MAX_GROUPED_QUERY, AttentionMetadata, group_tokens_for,
                               paged_attention, store_kv)
@@ -76,7 +76,7 @@ def test_cpu_groups_gather_about_two_mib_per_layer():
 def test_cpu_attention_choice_forces_a_path_or_says_why_it_cannot(monkeypatch):
     from engine.attention import torch_backend
     from engine.attention.torch_backend import use_cpu_kernel
-    from kernels import cpu_build
+    from pdkernels import cpu_build
 
     cpu = torch.device("cpu")
     assert use_cpu_kernel("sdpa", cpu, 64, 16, torch.float32) is False

@@ -1,4 +1,4 @@
-"""The AVX2 paged-attention kernel (kernels/cpu_attention.py) against the torch reference, on
+"""The AVX2 paged-attention kernel (pdkernels/cpu_attention.py) against the torch reference, on
 ragged batches of decodes and short queries after cached context, and the torch backend using
 it for those sequences."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_attention
-from kernels.triton_attention import paged_attention_ref
+from pdkernels import cpu_attention
+from pdkernels.triton_attention import paged_attention_ref
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(),
                                 reason="the kernel targets x86 CPUs whose best ISA is AVX2")

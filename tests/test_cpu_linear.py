@@ -11,7 +11,7 @@ from engine.layers.linear import (Avx2Method, DenseMethod, Int8Method, Linear, M
                                   OneDnnMethod, linear_method_for, onednn_available, packed_copy,
                                   runnable_linear_methods)
 from engine.weights import weight_bytes
-from kernels import cpu_build, cpu_linear
+from pdkernels import cpu_build, cpu_linear
 from tests.cpu_paths import linear_params
 
 CPU = torch.device("cpu")

@@ -21,7 +21,7 @@ DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [README, ROOT / "ARCHITECTURE.md", *DOCS]
 # Flags of the modules run by make targets rather than by `pdserve` (KERNELS_AOT_ARGS,
 # GPU_CHECK_ARGS): they must be in that module's own parser.
-MAKE_MODULES = [ROOT / "kernels" / "aot.py", ROOT / "pdserve" / "gpucheck.py"]
+MAKE_MODULES = [ROOT / "pdkernels" / "aot.py", ROOT / "pdserve" / "gpucheck.py"]
 
 
 def fences(text: str) -> list[tuple[str, str]]:

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Bottom to top. A package imports only packages on lower floors.
 FLOORS = [
-    ("kernels", "proto"),
+    ("pdkernels", "proto"),
     ("engine", "cluster"),               # compute beside the torch-free deployment floor
     ("kvtransfer", "gateway"),
     ("serving",),                        # what both workers share
@@ -31,7 +31,7 @@ OURS = set(FLOOR)
 TORCH_FREE = {"proto", "cluster", "gateway"}
 TORCH = {"torch", "transformers", "safetensors", "triton", "numpy", "xgrammar", "nixl"}
 # The compute floors never talk to the network or the deployment's services.
-NO_NETWORK = {"engine", "kernels"}
+NO_NETWORK = {"engine", "pdkernels"}
 NETWORK = {"grpc", "grpc_health", "redis", "fastapi", "uvicorn", "prometheus_client", "httpx"}
 
 # The torch-free engine modules the gateway and the Redis directory share (ARCHITECTURE.md):
@@ -189,9 +189,21 @@ def test_gateway_starts_without_torch():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
-def test_transformers_does_not_take_our_kernels_package():
-    code = ("import kernels, transformers.utils.import_utils as iu; "
-            "assert not iu.is_kernels_available(), 'transformers sees our kernels package'")
+def test_no_package_of_ours_shares_its_name_with_an_installed_distribution():
+    """A top-level package of ours named like another distribution's module shadows it from the
+    checkout (transformers >= 5.25 imports PyPI's `kernels`, which a `kernels/` of ours hid)."""
+    from importlib.metadata import packages_distributions
+
+    owners = packages_distributions()
+    clash = {p: sorted(set(owners.get(p, ())) - {"pdserve"}) for p in sorted(OURS)}
+    assert not {p: d for p, d in clash.items() if d}, clash
+
+
+def test_transformers_layers_import_from_the_checkout():
+    code = ("import pdkernels, transformers.activations, transformers.models.llama.modeling_llama; "
+            "import transformers.utils.import_utils as iu, sys; "
+            "k = sys.modules.get('kernels'); "
+            "assert k is None or 'pdkernels' not in (k.__file__ or ''), k")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 

@@ -1,4 +1,4 @@
-"""The Triton kernels compile for an sm_90 GPU on a machine without one (kernels.aot --quick:
+"""The Triton kernels compile for an sm_90 GPU on a machine without one (pdkernels.aot --quick:
 bf16 and fp16, block size 16, fewer step sizes and weight schemes than `make kernels-aot`), with
 no register spill, at the launch parameters their wrappers choose."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import aot
+from pdkernels import aot
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,9 +46,9 @@ def test_spills_fail_16_bit_dtypes_only():
 
 @pytest.fixture(scope="module")
 def quick_run():
-    # TRITON_INTERPRET=1 (conftest) stays set: kernels.aot runs itself again without it.
+    # TRITON_INTERPRET=1 (conftest) stays set: pdkernels.aot runs itself again without it.
     assert "TRITON_INTERPRET" in os.environ
-    proc = subprocess.run([sys.executable, "-m", "kernels.aot", "--quick", "--verbose",
+    proc = subprocess.run([sys.executable, "-m", "pdkernels.aot", "--quick", "--verbose",
                            "--jobs", "2"], cwd=ROOT, capture_output=True, text=True,
                           timeout=900)
     return proc

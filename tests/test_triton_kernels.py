@@ -1,4 +1,4 @@
-"""The Triton kernels (kernels/triton_*.py) against their torch references.
+"""The Triton kernels (pdkernels/triton_*.py) against their torch references.
 
 The device comes from PDSERVE_TEST_DEVICE (default cpu: the Triton interpreter, which conftest.py
 turns on; tiny shapes, fp32 and fp16). On cuda bf16 is tested too. Unused cache slots hold NaN
@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.triton_activation import silu_and_mul, silu_and_mul_ref
-from kernels.triton_attention import (attention_tile_shape, num_splits_for, paged_attention,
+from pdkernels.triton_activation import silu_and_mul, silu_and_mul_ref
+from pdkernels.triton_attention import (attention_tile_shape, num_splits_for, paged_attention,
                                       paged_attention_ref, plan_tiles, split_scratch)
-from kernels.triton_kv_store import store_kv, store_kv_ref
-from kernels.triton_norm import rms_norm, rms_norm_ref
+from pdkernels.triton_kv_store import store_kv, store_kv_ref
+from pdkernels.triton_norm import rms_norm, rms_norm_ref
 
 DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
 if DEVICE.startswith("cuda") and not torch.cuda.is_available():

@@ -1,4 +1,4 @@
-"""The quantized Triton linear (kernels/triton_quant_linear.py) against dequantize-then-matmul:
+"""The quantized Triton linear (pdkernels/triton_quant_linear.py) against dequantize-then-matmul:
 the decode GEMV (M 1), split-K decodes (M <= 16), prefill tiles with and without a split; 8-bit
 and packed 4-bit weights (offsets for asymmetric groups), per-channel and group scales, N and K
 off the tiles, bias on and off. The plan is checked on the shapes of real models, the packing
@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from kernels.triton_quant_linear import (H200_SMS, pack_int4, packable, plan, prepare,
+from pdkernels.triton_quant_linear import (H200_SMS, pack_int4, packable, plan, prepare,
                                          quant_linear, quant_linear_ref, unpack_int4)
 
 DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")

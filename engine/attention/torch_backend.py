@@ -1,7 +1,7 @@
 """The `torch` attention backend: paged attention in torch (the CPU path and the reference).
 
 On x86 CPUs with AVX2 (fp32), decodes and short queries after cached context go to our C++
-kernel (kernels/cpu_attention.py), which reads each sequence's blocks in place with the query
+kernel (pdkernels/cpu_attention.py), which reads each sequence's blocks in place with the query
 heads of a KV head sharing every K/V row: at 32 decodes of 256-token contexts a step spends a
 fraction of what gathering and SDPA took (see the README). Elsewhere, and for prompt chunks,
 the torch path below.
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionBackend, BatchLayout
 from engine.config import CPU_ATTENTION
 from engine.layers.rotary import apply_rotary
-from kernels import cpu_attention, cpu_build
+from pdkernels import cpu_attention, cpu_build
 
 
 MAX_GROUPED_QUERY = 32     # longest query attended in a padded group rather than on its own
@@ -159,7 +159,7 @@ class AttentionMetadata:
 
 @dataclass(frozen=True)
 class KernelBatch:
-    """Sequences for kernels.cpu_attention (int32 CPU tensors): block_tables [n, W] (row i:
+    """Sequences for pdkernels.cpu_attention (int32 CPU tensors): block_tables [n, W] (row i:
     sequence i's used blocks, padded with 0), seq_lens, q_start, q_lens [n]."""
 
     block_tables: torch.Tensor

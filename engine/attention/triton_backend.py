@@ -1,8 +1,8 @@
 """The `triton` attention backend: Triton kernels over the paged cache (the default on CUDA).
 
-Per layer, two launches (three for split-KV decodes): kernels.triton_kv_store stores the step's
+Per layer, two launches (three for split-KV decodes): pdkernels.triton_kv_store stores the step's
 K/V into their slots with rotary applied to k (and to q, in place), and
-kernels.triton_attention attends every sequence of the ragged batch (prompt chunks after cached
+pdkernels.triton_attention attends every sequence of the ragged batch (prompt chunks after cached
 context, decodes, speculative verification) in one call, reading blocks in place through the
 block table. Metadata lives in the runner's StepBuffers (one H2D copy per step), at addresses
 that never change, so a decode-only step can be captured once per batch-size bucket and replayed.
@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from engine.attention.base import AttentionBackend, BatchLayout
-from kernels import triton_attention as ta
-from kernels.triton_attention import MAX_SPLITS
-from kernels.triton_kv_store import store_kv
+from pdkernels import triton_attention as ta
+from pdkernels.triton_attention import MAX_SPLITS
+from pdkernels.triton_kv_store import store_kv
 
 
 @dataclass(frozen=True)

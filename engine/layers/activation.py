@@ -14,7 +14,7 @@ class SiluAndMul(nn.Module):
         super().__init__()
         self._triton = None
         if kernels == "triton":
-            from kernels.triton_activation import silu_and_mul
+            from pdkernels.triton_activation import silu_and_mul
             self._triton = silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ The method creates the layer's weight parameters (`create_weights`: a float `wei
 pre-quantized checkpoint's int8 `weight` and float32 `weight_scale`, which the same loaders
 shard), and `process_weights_after_loading` lets it repack them once:
 - `DenseMethod`: F.linear (GPUs, 16-bit dtypes, hosts without a faster kernel).
-- `Avx2Method` (kernels/cpu_linear.py, ours) by default on x86 CPUs whose best vector ISA is
+- `Avx2Method` (pdkernels/cpu_linear.py, ours) by default on x86 CPUs whose best vector ISA is
   AVX2 (it runs on AVX-512 ones too): at memory speed up to ~9 rows and near the FMA peak
   beyond, where oneDNN reaches 60-80% of the peak (`pdserve linearbench`). A row's result does
   not depend on the rest of the batch.
@@ -39,7 +39,7 @@ from torch import nn
 from engine.config import LINEAR_METHODS
 from engine.layers.quant_formats import QuantScheme
 from engine.parallel import SINGLE, TPGroup
-from kernels import cpu_linear
+from pdkernels import cpu_linear
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def _drop_weight(layer: "Linear") -> None:
 
 
 class Avx2Method(LinearMethod):
-    """W packed in 16-feature panels for kernels/cpu_linear.py."""
+    """W packed in 16-feature panels for pdkernels/cpu_linear.py."""
 
     name = "avx2"
 
@@ -109,8 +109,8 @@ class OneDnnMethod(LinearMethod):
 class IntegerWeights(LinearMethod):
     """Integer weights q [N, K] (int8 storage) with float32 scales [N, groups] (one group: per
     output channel): W[n, k] = q[n, k] * scale[n, k // (K / groups)]. On AVX2 fp32 CPUs the
-    int8 panels of kernels/cpu_linear.py (a quarter of fp32's bytes to stream: faster where
-    decode is memory-bound); on CUDA the Triton kernel of kernels/triton_quant_linear.py (8-bit
+    int8 panels of pdkernels/cpu_linear.py (a quarter of fp32's bytes to stream: faster where
+    decode is memory-bound); on CUDA the Triton kernel of pdkernels/triton_quant_linear.py (8-bit
     weights as int8, 4-bit ones packed two per byte, unpacked and widened in registers; split
     over K at decode so the grid fills the GPU); elsewhere the torch reference, dequantize-then-matmul (correct,
     not fast). With `act_bits` 8 (W8A8), each row of x is first quantized to int8 with its own
@@ -133,7 +133,7 @@ class IntegerWeights(LinearMethod):
                             else cpu_linear.pack_group_scales(scale))
             layer.register_buffer("scale", packed_scale, persistent=False)
         elif q.is_cuda:        # 4-bit schemes packed two weights per byte for the Triton kernel
-            from kernels import triton_quant_linear as tq
+            from pdkernels import triton_quant_linear as tq
             bits = getattr(getattr(self, "scheme", None), "bits", 8)
             qweight, scale, offset, layer.qbits = tq.prepare(q, scale, bits)
             layer.register_buffer("qweight", qweight, persistent=False)
@@ -152,7 +152,7 @@ class IntegerWeights(LinearMethod):
             return cpu_linear.linear_int8_grouped(x, layer.packed, layer.scale, layer.group,
                                                   layer.out_features, bias)
         if x.is_cuda:
-            from kernels.triton_quant_linear import quant_linear
+            from pdkernels.triton_quant_linear import quant_linear
             return quant_linear(x, layer.qweight, layer.scale, bias,
                                 getattr(layer, "qoffset", None), getattr(layer, "qbits", 8))
         w = layer.qweight.to(x.dtype) * layer.scale.to(x.dtype).repeat_interleave(layer.group, 1)

@@ -2,7 +2,7 @@
 
 `forward(x)` -> normed x; `forward(x, residual)` -> (normed (x + residual), x + residual): the
 decoder layers pass the running residual through every norm, so the add and the norm are one
-kernel on GPUs (kernels/triton_norm.py). The torch path is HF's arithmetic, op for op (fp32
+kernel on GPUs (pdkernels/triton_norm.py). The torch path is HF's arithmetic, op for op (fp32
 exact parity): the sum in the model dtype, the norm in fp32, the weight applied in the dtype.
 """
 
@@ -20,7 +20,7 @@ class RMSNorm(nn.Module):
         self.kernels = kernels
         self._triton = None
         if kernels == "triton":
-            from kernels.triton_norm import rms_norm
+            from pdkernels.triton_norm import rms_norm
             self._triton = rms_norm
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):

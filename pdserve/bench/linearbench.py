@@ -1,7 +1,7 @@
 """`pdserve linearbench`: the CPU linear layers of one decode step, per backend and row count.
 
 A model's linear layers (from its config.json; random fp32 weights, so no weights are read) are
-built once per backend: our AVX2 kernel (kernels/cpu_linear.py), oneDNN's packed linear and
+built once per backend: our AVX2 kernel (pdkernels/cpu_linear.py), oneDNN's packed linear and
 torch's nn.Linear. For each row count (the tokens of a step: 1 for a plain decode, 1 + k for a
 sequence verifying k proposals), every layer's projections run in model order, followed by the
 lm_head, as a forward pass calls them: each weight is read from memory once per pass (the model
@@ -39,7 +39,7 @@ def backends(device: torch.device) -> dict[str, LinearMethod]:
     import torch
 
     from engine.layers.linear import Avx2Method, DenseMethod, OneDnnMethod, onednn_available
-    from kernels import cpu_linear
+    from pdkernels import cpu_linear
 
     out: dict[str, LinearMethod] = {}
     if cpu_linear.available():

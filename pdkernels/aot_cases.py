@@ -1,4 +1,4 @@
-"""What `python -m kernels.aot` compiles: every Triton kernel's wrapper called as the engine
+"""What `python -m pdkernels.aot` compiles: every Triton kernel's wrapper called as the engine
 calls it, on CPU tensors of real model shapes (torch.empty: nothing is read, written or run).
 
 An entry of ENTRIES maps a name to a function (shape, dtype, matrix) -> iterator of
@@ -22,9 +22,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from kernels import triton_activation, triton_attention, triton_kv_store, triton_norm
-from kernels.triton_attention import MAX_SPLITS
-from kernels import triton_quant_linear
+from pdkernels import triton_activation, triton_attention, triton_kv_store, triton_norm
+from pdkernels.triton_attention import MAX_SPLITS
+from pdkernels import triton_quant_linear
 
 NUM_SMS = 132          # H100 / H200: the split-KV and split-K counts the runtime picks there
 MAX_SEQS = 256         # decode batch sizes whose split counts are compiled; staged rows

@@ -1,6 +1,6 @@
 """Every Triton kernel compiled ahead of time for a GPU, on a machine without one.
 
-`python -m kernels.aot` (make kernels-aot) runs the cases of kernels.aot_cases: each kernel's
+`python -m pdkernels.aot` (make kernels-aot) runs the cases of pdkernels.aot_cases: each kernel's
 own wrapper, called on CPU tensors as the engine calls it. A stand-in driver gives Triton's
 launcher the GPU target (sm_90 unless --arch), and Triton's jit_cache_hook records every launch
 a wrapper makes -- signature, constexprs, divisibility attributes, num_warps, num_stages, as the
@@ -209,8 +209,8 @@ def collect(matrix, entries: list[str], target: GPUTarget) -> tuple[list[Row], i
     launches nothing is a failed row), and the number of cases run."""
     if knobs.runtime.interpret:
         raise RuntimeError("TRITON_INTERPRET is set: kernels would run in the interpreter "
-                           "(run python -m kernels.aot, which drops it)")
-    from kernels.aot_cases import ENTRIES
+                           "(run python -m pdkernels.aot, which drops it)")
+    from pdkernels.aot_cases import ENTRIES
 
     rows: list[Row] = []
     seen: dict[tuple, Row] = {}
@@ -290,11 +290,11 @@ def format_table(rows: list[Row], verbose: bool = False) -> str:
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    from kernels.aot_cases import ENTRIES
+    from pdkernels.aot_cases import ENTRIES
 
     p = argparse.ArgumentParser(
-        prog="python -m kernels.aot",
-        description="Compile every Triton kernel of kernels/ for a CUDA GPU without one, at the "
+        prog="python -m pdkernels.aot",
+        description="Compile every Triton kernel of pdkernels/ for a CUDA GPU without one, at the "
                     "launch parameters the engine uses, and report registers, spills and shared "
                     "memory. Exit status 1 on a compile error, shared memory over the limit or "
                     "a register spill in bf16 / fp16 (fp32 spills are reported only).")
@@ -324,12 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "TRITON_INTERPRET" in os.environ:       # the kernels would be imported as interpreted
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        os.execve(sys.executable, [sys.executable, "-m", "kernels.aot", *argv], env)
+        os.execve(sys.executable, [sys.executable, "-m", "pdkernels.aot", *argv], env)
     warnings.filterwarnings("ignore", message=".*TRITON_DEFAULT_FP_FUSION")
     args = _parse(argv)
     from dataclasses import replace
 
-    from kernels.aot_cases import FULL, QUICK
+    from pdkernels.aot_cases import FULL, QUICK
 
     matrix = QUICK if args.quick else FULL
     if args.dtypes:

@@ -17,7 +17,7 @@
 // prefetches queue, the FMAs wait behind them, and reading the weight and computing on it no
 // longer overlap (measured: docs/performance.md, "CPU linear layers").
 //
-// Plain C ABI (no torch headers): loaded with ctypes by kernels/cpu_linear.py, which compiles it
+// Plain C ABI (no torch headers): loaded with ctypes by pdkernels/cpu_linear.py, which compiles it
 // on first use. Parallel over panels with OpenMP on the number of threads the caller passes (the
 // caller's torch thread count: OpenMP's own default would be every core, in whichever thread
 // calls).

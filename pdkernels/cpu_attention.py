@@ -1,8 +1,8 @@
 """Paged attention on x86 CPUs with AVX2 (fp32), for decodes and short queries after cached
 context: blocks read in place through the block table, the query heads of one KV head sharing
-every K/V row (csrc/cpu_attention.cpp, compiled on first use by kernels.cpu_build).
+every K/V row (csrc/cpu_attention.cpp, compiled on first use by pdkernels.cpu_build).
 
-The contract is kernels/triton_attention.py's (sequence i: q_lens[i] queries at rows
+The contract is pdkernels/triton_attention.py's (sequence i: q_lens[i] queries at rows
 q_start[i].., seq_lens[i] tokens of context including them, causal), without tiles or splits;
 its torch reference is triton_attention.paged_attention_ref. `available()` is false where it
 cannot run (an x86 CPU without AVX2 and FMA, or not x86, no compiler, a failed build); the torch
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_build
+from pdkernels import cpu_build
 
 log = logging.getLogger(__name__)
 

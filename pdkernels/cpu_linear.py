@@ -20,7 +20,7 @@ Each output is a sequential sum over k, so a row's result is the same whatever e
 batch: a sequence's logits do not depend on which other sequences, or how many proposed tokens,
 share its step.
 
-The source is compiled on first use (kernels.cpu_build) and loaded with ctypes. It runs on torch's
+The source is compiled on first use (pdkernels.cpu_build) and loaded with ctypes. It runs on torch's
 thread count (torch.set_num_threads). `available()` is false where it cannot run (an x86 CPU
 without AVX2 and FMA, or not x86, no compiler, a failed build) and the engine then keeps torch's
 linear. It runs on AVX-512 hosts too, where the engine's default is chosen by measurement
@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_build
+from pdkernels import cpu_build
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +53,14 @@ def reference(x: torch.Tensor, weight: torch.Tensor,
 
 
 def cpu_supported() -> bool:
-    """An x86-64 CPU that runs AVX2 + FMA code (kernels.cpu_build.avx2_capable): AVX2-only and
+    """An x86-64 CPU that runs AVX2 + FMA code (pdkernels.cpu_build.avx2_capable): AVX2-only and
     AVX-512 hosts alike. Whether the engine picks it is engine.layers.linear's choice."""
     return cpu_build.avx2_capable()
 
 
 def preferred() -> bool:
     """Whether the engine picks this kernel by default for float weights: where the host's best
-    vector ISA is AVX2 (kernels.cpu_build.avx2_host), as measured (docs/performance.md)."""
+    vector ISA is AVX2 (pdkernels.cpu_build.avx2_host), as measured (docs/performance.md)."""
     return cpu_build.avx2_host()
 
 

@@ -1,4 +1,4 @@
-"""Compiling the CPU kernels in kernels/csrc: once per source and flags, on first use.
+"""Compiling the CPU kernels in pdkernels/csrc: once per source and flags, on first use.
 
 A source is compiled with the system C++ compiler ($CXX, else c++) into $PDSERVE_KERNEL_CACHE
 (default: the `kernels` folder of pdserve's cache, ~/.cache/pdserve or $PDSERVE_CACHE), named by

@@ -2,7 +2,7 @@
 // context (speculative verification, the tail of a prompt whose prefix was cached), read in place
 // through each sequence's block table (no gather into new buffers).
 //
-// Contract (the same as kernels/triton_attention.py's paged_attention, whose torch reference
+// Contract (the same as pdkernels/triton_attention.py's paged_attention, whose torch reference
 // paged_attention_ref it is tested against): sequence i has q_lens[i] new queries at rows
 // q_start[i] .. of q, and seq_lens[i] tokens of context, the new ones included, already in the
 // cache; query j sits at position seq_lens[i] - q_lens[i] + j and attends keys at positions <= its
@@ -19,7 +19,7 @@
 // the weighted V rows added into the row accumulators. exp is a vectorized Cephes-style
 // polynomial (relative error ~2e-7); masked keys contribute exactly 0.
 //
-// Plain C ABI (no torch headers), loaded with ctypes by kernels/cpu_attention.py.
+// Plain C ABI (no torch headers), loaded with ctypes by pdkernels/cpu_attention.py.
 
 #include <immintrin.h>
 

@@ -8,6 +8,6 @@ Triton (GPU; on CPU tensors under TRITON_INTERPRET=1, as tests/test_triton_kerne
   triton_activation - SiLU-and-mul of a fused gate/up projection.
 C++ (CPU): cpu_linear (csrc/cpu_linear.cpp).
 
-Note: this package shares its name with an unrelated PyPI package that transformers probes for;
-tests/test_layout.py checks transformers does not pick ours up.
+Named pdkernels, not kernels: transformers imports the PyPI package of that name, which a
+top-level `kernels` of ours would shadow (tests/test_layout.py checks every package name).
 """
