@@ -247,6 +247,7 @@ class AsyncEngine:
             req, fut = self._pending_reserve[0]
             if fut.cancelled():
                 self._pending_reserve.popleft()
+                self.engine.abort(req.request_id)    # a restore it began ends with it
                 continue
             blocks = self.engine.reserve_remote(req)
             if blocks is None:

@@ -311,6 +311,8 @@ class Engine:
         self.stats.preemptions += len(sched.preempted)
         if not sched.scheduled:
             self.last_step = StepStats(0, 0, 0, 0, len(sched.preempted), 0.0)
+            if not sched.preempted:
+                self.kv_manager.wait_restore()   # only restores in flight: wait, do not spin
             return []
         prompt = sum(min(s.num_new_tokens, max(s.request.num_prompt_tokens
                                                - s.request.num_computed_tokens, 0))

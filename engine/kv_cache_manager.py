@@ -10,6 +10,7 @@ allocate/take/free (tests/test_kv_ownership.py checks it).
     scheduler ---- KVConnector's RefChange (transfers) --------> apply()
     engine ------- take_copies() / copies_done() (forks) ------>
     offload tiers: a prefix that continues below the pool ------> restored into new blocks
+                   (a restore in flight holds its blocks until it is finished)
 
 Engine thread only.
 """
@@ -60,6 +61,7 @@ class KVCacheManager:
         self.query_tokens = 0       # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0         # of which found cached
         self.offload = None         # engine.kv_offload.KVOffload: the tiers below the pool
+        self._restoring: dict[str, object] = {}   # request id -> its RestoreJob in flight
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -128,7 +130,10 @@ class KVCacheManager:
         self.pool.free([b for pair in pairs for b in pair])
 
     def free(self, request_id: str) -> None:
-        """The request's table goes (its blocks' references back, tail first)."""
+        """The request's table goes (its blocks' references back, tail first), and a restore
+        of its prefix in flight ends (waited for: what arrived intact stays cached)."""
+        if request_id in self._restoring:
+            self._finish_restore(request_id)
         table = self._tables.pop(request_id, None)
         if table:
             self.pool.free(table)
@@ -148,12 +153,20 @@ class KVCacheManager:
         assert self.hasher is not None
         return self.hasher.extend(req.block_hashes, req.all_token_ids, salt_bytes(req.cache_salt))
 
-    def cached_prefix(self, req: Request, max_tokens: int) -> list[int]:
+    def cached_prefix(self, req: Request, max_tokens: int) -> list[int] | None:
         """Blocks of the longest cached prefix of the request, covering at most max_tokens: the
         pool's, then those restored from the offload tiers into new blocks (cached and free,
-        like any evictable cached block, until the caller takes them)."""
+        like any evictable cached block, until the caller takes them). None while such a
+        restore is in flight (on CUDA its copies run beside the steps): ask again later; the
+        call after it is done finds the restored blocks in the pool (and starts no other)."""
         if self.hasher is None:
             return []
+        restore = self.offload is not None
+        if req.request_id in self._restoring:
+            if not self._restoring[req.request_id].done():
+                return None
+            self._finish_restore(req.request_id)
+            restore = False
         hashes = self.block_hashes(req)
         tokens = req.all_token_ids
         bs = self.block_size
@@ -164,33 +177,56 @@ class KVCacheManager:
             if b is None:
                 break
             out.append(b)
-        if self.offload is not None:
+        if self.offload is not None and restore:
             for h in hashes[:len(out)]:
                 self.offload.seen(h)
-            if len(out) < limit:
-                found = list(out)
-                self.pool.take(found)   # the blocks found must not be handed to the restore
-                try:
-                    out += self._restore(hashes[len(out):limit], tokens, len(out))
-                finally:
-                    self.pool.free(found)
+            if len(out) < limit and self._begin_restore(req.request_id, hashes[len(out):limit],
+                                                        tokens, out):
+                if not self._restoring[req.request_id].done():
+                    return None
+                return self.cached_prefix(req, max_tokens)   # done at once (CPUs)
         return out
 
-    def _restore(self, hashes: list[int], tokens, start: int) -> list[int]:
-        """Blocks start, start+1, ... of a prompt (`hashes` theirs) from the offload tiers, as
-        far as they continue there and the pool has free blocks to put them in."""
-        bs = self.block_size
+    def _begin_restore(self, request_id: str, hashes: list[int], tokens,
+                       found: list[int]) -> bool:
+        """Start restoring blocks len(found), len(found)+1, ... of a prompt (`hashes` theirs)
+        from the offload tiers, as far as they continue there and the pool has free blocks to
+        put them in; the blocks `found` in the pool are held meanwhile. -> whether one began
+        (its job in `_restoring`)."""
+        bs, start = self.block_size, len(found)
         chunks = [tuple(tokens[(start + j) * bs:(start + j + 1) * bs]) for j in range(len(hashes))]
         run = self.offload.find_run(hashes, chunks)[:self.pool.num_free]
         if not run:
-            return []
+            return False
+        self.pool.take(found)           # the blocks found must not be handed to the restore
         blocks = self.pool.allocate(len(run))       # may evict (and store) others
-        good = self.offload.restore(run, blocks)
-        for (h, *_), b, toks in zip(run[:good], blocks, chunks):
+        job = self.offload.begin_restore(run, blocks)
+        job.held, job.chunks = list(found), chunks
+        self._restoring[request_id] = job
+        return True
+
+    def _finish_restore(self, request_id: str) -> None:
+        """The request's restore (waited for if need be): the blocks that arrived intact are
+        registered in the prefix cache; the job's blocks and those it held go back."""
+        job = self._restoring.pop(request_id)
+        good = self.offload.finish_restore(job)
+        for (h, *_), b, toks in zip(job.copied[:good], job.block_ids, job.chunks):
             self.pool.cache(b, h, toks)
             self.offload.seen(h)
-        self.pool.free(blocks)
-        return blocks[:good]
+        self.pool.free(job.block_ids)
+        self.pool.free(job.held)
+
+    def restores_in_flight(self) -> bool:
+        """Whether a restore's copies are still running (one that is done waits for its
+        request to ask again: it is no work for the engine loop)."""
+        return any(not job.done() for job in self._restoring.values())
+
+    def wait_restore(self) -> None:
+        """Block until the oldest restore in flight is done (a step with nothing else to do)."""
+        for job in self._restoring.values():
+            if not job.done():
+                job.wait()
+                return
 
     def count_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.query_tokens += num_tokens

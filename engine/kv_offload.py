@@ -27,9 +27,16 @@ leaves no half file (left temporaries are removed at start); a restarted worker 
 folder finds its blocks again.
 
 When: on the engine thread, between steps (stores while the scheduler allocates, restores while
-it admits a prompt); on CPUs these are memory copies of a few hundred KB a block, beside steps
-of tens of ms to seconds. On CUDA the copies are queued on the engine's stream, ordered against
-the steps that read and write the pool; the checksum values are read back at once (a sync).
+it admits a prompt). On CPUs the copies are done at once: memory copies of a few hundred KB a
+block (a 20-block prompt in about 7 ms) beside steps of tens of ms to seconds. On CUDA they run
+on a stream of their own (`_Copies`), so the engine's steps go on meanwhile: the stream first
+waits for the compute stream's queued work (the blocks it reads or overwrites are final), the
+copies and checksums follow, then an event. A store lets the compute stream wait for its event
+(an evicted block's next writer runs after the copy has read it) and keeps its checksums in
+page-locked memory, read when needed (`_Entry.checksum` waits for the event then). A restore is
+begun (`begin_restore`) and finished when its event has passed (`finish_restore`: the checksums
+compared, the compute stream made to wait for the event): the request waits in the queue
+meanwhile, the others are scheduled (engine.kv_cache_manager.cached_prefix).
 """
 
 from __future__ import annotations
@@ -83,11 +90,137 @@ class TierStats:
         return asdict(self)
 
 
-@dataclass
 class _Entry:
-    tokens: tuple[int, ...]
-    checksum: int
-    slot: int = -1                 # host tier: row of its buffer
+    """A stored block: its tokens, its checksum (an int, or `(batch, i)`: the i-th checksum of
+    copies still in flight, read when first asked for), its row of the host tier's buffer."""
+
+    __slots__ = ("tokens", "_checksum", "slot")
+
+    def __init__(self, tokens: tuple[int, ...], checksum, slot: int = -1) -> None:
+        self.tokens = tokens
+        self._checksum = checksum
+        self.slot = slot
+
+    @property
+    def checksum(self) -> int:
+        """The stored checksum; waits for the copies that took it (and the block's data)."""
+        if not isinstance(self._checksum, int):
+            batch, i = self._checksum
+            self._checksum = batch.sums()[i]
+        return self._checksum
+
+
+class _Batch:
+    """Copies and the checksums taken with them, issued together inside `with copies.batch()
+    as batch:` (the checksums given by `batch.checksums(t)`): done at once on CPUs; on CUDA
+    queued on the tiers' stream with an event after them, the checksums copied into page-locked
+    memory. Keeps the tensors the copies read (`keep`) until they are done."""
+
+    def __init__(self, copies: "_Copies") -> None:
+        self._copies = copies
+        self._polls = copies.min_polls
+        self._sums_dev: torch.Tensor | None = None
+        self._sums: list[int] | None = None
+        self._keep: list[torch.Tensor] = []
+        self.event = self._start = self._ctx = None
+        self._seconds: float | None = None
+
+    def __enter__(self) -> "_Batch":
+        self._t0 = time.perf_counter()
+        stream = self._copies.stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self._copies.device))
+            self._ctx = torch.cuda.stream(stream)
+            self._ctx.__enter__()
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record(stream)
+        return self
+
+    def checksums(self, sums: torch.Tensor) -> None:
+        self._sums_dev = sums
+
+    def keep(self, t: torch.Tensor) -> None:
+        self._keep.append(t)
+
+    def __exit__(self, *exc) -> None:
+        if self._ctx is None:
+            self._sums = self._sums_dev.tolist() if self._sums_dev is not None else []
+            self._seconds = time.perf_counter() - self._t0
+            self._keep = []
+            return
+        try:
+            if self._sums_dev is not None:
+                host = torch.empty(self._sums_dev.shape, dtype=self._sums_dev.dtype,
+                                   pin_memory=True)
+                host.copy_(self._sums_dev, non_blocking=True)
+                self._keep += [self._sums_dev, host]
+                self._sums_dev = host
+            self.event = torch.cuda.Event(enable_timing=True)
+            self.event.record(self._copies.stream)
+        finally:
+            self._ctx.__exit__(*exc)
+
+    def done(self) -> bool:
+        """Whether the copies are done (never blocks)."""
+        if self._polls > 0:
+            self._polls -= 1
+            return False
+        return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        self._polls = 0
+        if self.event is not None:
+            self.event.synchronize()
+
+    def sums(self) -> list[int]:
+        if self._sums is None:
+            self.wait()
+            self._sums = self._sums_dev.tolist() if self._sums_dev is not None else []
+            self._keep = []
+        return self._sums
+
+    def seconds(self) -> float:
+        """How long the copies took (on CUDA between the batch's events: the stream's time)."""
+        if self._seconds is None:
+            self.wait()
+            self._seconds = self._start.elapsed_time(self.event) / 1e3
+        return self._seconds
+
+    def order_compute(self) -> None:
+        """The compute stream's later work waits for these copies."""
+        if self.event is not None:
+            torch.cuda.current_stream(self._copies.device).wait_event(self.event)
+
+
+class _Copies:
+    """Where the tiers' copies run: on CPUs at once; on CUDA on a stream of their own, after the
+    compute stream's queued work. `min_polls`: a batch reports done only after that many
+    `done()` calls (tests drive the asynchronous path on CPUs with it)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.min_polls = 0
+
+    def batch(self) -> _Batch:
+        return _Batch(self)
+
+
+class RestoreJob:
+    """A restore begun (KVOffload.begin_restore): the run's blocks copied into `block_ids`."""
+
+    def __init__(self, copied: list, batch: _Batch | None, block_ids: list[int]) -> None:
+        self.copied = copied              # (hash, tier, entry, block id) of each block copied
+        self.batch = batch
+        self.block_ids = block_ids        # all the blocks given for it (the caller's)
+        self.held: list[int] = []         # the caller's: pool blocks it holds meanwhile
+
+    def done(self) -> bool:
+        return self.batch is None or self.batch.done()
+
+    def wait(self) -> None:
+        if self.batch is not None:
+            self.batch.wait()
 
 
 class _Tier:
@@ -124,9 +257,10 @@ class HostTier(_Tier):
         self.data = torch.empty((capacity, *block_shape), dtype=dtype, pin_memory=pin)
         self._free = list(range(capacity - 1, -1, -1))
 
-    def put(self, block_hash: int, tokens: tuple[int, ...], checksum: int,
+    def put(self, block_hash: int, tokens: tuple[int, ...], checksum,
             src: torch.Tensor) -> None:
-        """Store `src` (one block); the caller made room (`drop`)."""
+        """Store `src` (one block; on CUDA a copy queued on the current stream); `checksum` as
+        _Entry takes it. The caller made room (`drop`)."""
         slot = self._free.pop()
         self.data[slot].copy_(src, non_blocking=True)
         self.index[block_hash] = _Entry(tokens, checksum, slot)
@@ -322,6 +456,8 @@ class KVOffload:
         # measured rates for the cost rule: bytes/s per tier, prompt tokens/s of the engine
         self._bandwidth: dict[str, float] = {}
         self.prompt_tokens_per_s: float | None = None
+        self.copies = _Copies(device)
+        self._stores: deque[tuple[_Batch, int]] = deque()   # host stores not timed yet
 
     @property
     def tiers(self) -> list:
@@ -347,8 +483,10 @@ class KVOffload:
     # ------------------------------------------------------------------ store
     def store(self, evicted: list[tuple[int, int, tuple[int, ...]]]) -> None:
         """The pool is about to give these blocks (block id, hash, tokens) to other requests:
-        keep their KV in a tier. One checksum pass for all of them; the host tier's victims
-        move to the disk tier first."""
+        keep their KV in a tier. One checksum pass for all of them (one batch of copies: on
+        CUDA the compute stream waits for it, nothing waits on the host); the host tier's
+        victims move to the disk tier first."""
+        self._time_stores()
         first = self.host or self.disk
         keep = []
         for b, h, toks in evicted:
@@ -360,27 +498,38 @@ class KVOffload:
             keep = keep[-self.host.stats.capacity_blocks:]    # the most recently used win
         if not keep:
             return
-        t0 = time.perf_counter()
         kv = self._pool()
-        sums = block_checksums(kv, [b for b, _, _ in keep]).tolist()
         if self.host is None:
+            sums = block_checksums(kv, [b for b, _, _ in keep]).tolist()
             for (b, h, toks), s in zip(keep, sums):
                 self._put_disk(h, toks, s, kv[:, :, b].to("cpu"))
             return
         while len(self.host.index) + len(keep) > self.host.stats.capacity_blocks:
             vh, ve = next(iter(self.host.index.items()))
             if self.disk is not None and vh not in self.disk.index:
-                self._put_disk(vh, ve.tokens, ve.checksum, self.host.read(ve))
+                checksum = ve.checksum              # waits for the victim's copy, if queued
+                self._put_disk(vh, ve.tokens, checksum, self.host.read(ve))
             self.host.drop(vh)
             self.host.stats.evicted_blocks += 1
-        for (b, h, toks), s in zip(keep, sums):
-            self.host.put(h, toks, s, kv[:, :, b])
-        self._count_store(self.host, t0, len(keep))
+        with self.copies.batch() as batch:
+            batch.checksums(block_checksums(kv, [b for b, _, _ in keep]))
+            for i, (b, h, toks) in enumerate(keep):
+                self.host.put(h, toks, (batch, i), kv[:, :, b])
+        batch.order_compute()
+        self.host.stats.stored_blocks += len(keep)
+        self.host.stats.stored_bytes += len(keep) * self.block_nbytes
+        self._stores.append((batch, len(keep)))
+        self._time_stores()
+
+    def _time_stores(self) -> None:
+        """Host stores whose copies are done add their time to the tier's counters."""
+        while self._stores and self._stores[0][0].done():
+            batch, _ = self._stores.popleft()
+            self.host.stats.store_seconds += batch.seconds()
 
     def _put_disk(self, block_hash: int, tokens, checksum: int, src: torch.Tensor) -> None:
+        """`src`: a CPU tensor whose data is there (a host block's checksum read first)."""
         t0 = time.perf_counter()
-        if self.device.type == "cuda":      # the host tier's copy from the pool has landed
-            torch.cuda.current_stream(self.device).synchronize()
         if self.disk.put(block_hash, tokens, checksum, src):
             self._count_store(self.disk, t0, 1)
 
@@ -399,7 +548,8 @@ class KVOffload:
         if self.host is not None:
             for h, e in list(self.host.index.items()):
                 if h not in self.disk.index:
-                    self._put_disk(h, e.tokens, e.checksum, self.host.read(e))
+                    checksum = e.checksum
+                    self._put_disk(h, e.tokens, checksum, self.host.read(e))
         kv = self._pool()
         keep = [(b, h, t) for b, h, t in pool_blocks if h not in self.disk.index]
         sums = block_checksums(kv, [b for b, _, _ in keep]).tolist() if keep else []
@@ -437,35 +587,51 @@ class KVOffload:
             return True                            # not measured yet: try
         return num_tokens / self.block_size * self.block_nbytes / bw < num_tokens / rate
 
-    def restore(self, run: list[tuple[int, object, _Entry]], block_ids: list[int]) -> int:
-        """Copy the run's blocks into `block_ids` (fresh pool blocks, as many), check each
-        checksum; -> how many leading blocks were restored intact. A failed block drops its
-        tier entry and ends the run."""
+    def begin_restore(self, run: list[tuple[int, object, _Entry]],
+                      block_ids: list[int]) -> RestoreJob:
+        """Start copying the run's blocks into `block_ids` (fresh pool blocks, as many, which
+        the caller holds until `finish_restore`) with their checksums: at once on CPUs, on
+        the tiers' stream on CUDA. A block moved or gone meanwhile, or a disk file that
+        cannot be read, ends the run there."""
         kv = self._pool()
-        t0 = time.perf_counter()
         copied = []
-        for (h, tier, e), b in zip(run, block_ids):
-            if tier.index.get(h) is not e:
-                break                   # moved or dropped meanwhile (the pool's allocation)
-            tier.stats.hits += 1
-            data = tier.read(e) if tier is self.host else tier.read(h, e)
-            if data is None:
-                break
-            kv[:, :, b].copy_(data, non_blocking=True)
-            copied.append((h, tier, e, b))
+        with self.copies.batch() as batch:
+            for (h, tier, e), b in zip(run, block_ids):
+                if tier.index.get(h) is not e:
+                    break               # moved or dropped meanwhile (the pool's allocation)
+                tier.stats.hits += 1
+                data = tier.read(e) if tier is self.host else tier.read(h, e)
+                if data is None:
+                    break
+                kv[:, :, b].copy_(data, non_blocking=True)
+                if tier is not self.host:
+                    batch.keep(data)    # a disk block's buffer, read by the copy
+                copied.append((h, tier, e, b))
+            if copied:
+                batch.checksums(block_checksums(kv, [b for *_, b in copied]))
+        return RestoreJob(copied, batch, list(block_ids))
+
+    def finish_restore(self, job: RestoreJob) -> int:
+        """A begun restore whose copies are done (it waits if not): compare each checksum; ->
+        how many leading blocks were restored intact. A failed block drops its tier entry and
+        ends the run. On CUDA the compute stream's later work waits for the copies."""
+        job.wait()
+        job.batch.order_compute()
+        copied = job.copied
         if not copied:
             return 0
-        sums = block_checksums(kv, [b for *_, b in copied]).tolist()
+        sums = job.batch.sums()
         good = 0
         for (h, tier, e, b), s in zip(copied, sums):
             if s != e.checksum:
                 tier.stats.checksum_failures += 1
                 log.warning("KV offload %s tier: block %016x failed its checksum; it and the "
                             "blocks after it are computed", tier.name, h)
-                tier.drop(h)
+                if tier.index.get(h) is e:
+                    tier.drop(h)
                 break
             good += 1
-        seconds = time.perf_counter() - t0
+        seconds = job.batch.seconds()
         by_tier: dict[str, int] = {}
         for h, tier, e, b in copied[:good]:
             tier.stats.restored_blocks += 1
@@ -481,5 +647,9 @@ class KVOffload:
                 self._bandwidth[tier.name] = rate if old is None else 0.8 * old + 0.2 * rate
         return good
 
+    def restore(self, run: list[tuple[int, object, _Entry]], block_ids: list[int]) -> int:
+        """begin_restore, then finish_restore once its copies are done."""
+        return self.finish_restore(self.begin_restore(run, block_ids))
 
-__all__ = ["DiskTier", "HostTier", "KVOffload", "OffloadSettings", "TierStats"]
+
+__all__ = ["DiskTier", "HostTier", "KVOffload", "OffloadSettings", "RestoreJob", "TierStats"]

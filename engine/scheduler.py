@@ -77,8 +77,11 @@ class Scheduler:
         """Decode role: allocate blocks for the prompt (and the output tokens of a resumed
         request), whose KV another worker will write. Blocks of the prefix cached here are
         reused: only the blocks after the first `req.num_cached_blocks` need to arrive. Returns
-        the block ids, or None when the pool cannot hold the tokens now."""
+        the block ids, or None when the pool cannot hold the tokens now, or while the prefix
+        is being restored from the offload tiers (ask again)."""
         hits = self.kv.cached_prefix(req, req.num_tokens)
+        if hits is None:                  # its prefix is being restored from the offload tiers
+            return None
         if self.kv.allocate_slots(req.request_id, req.num_tokens, prefix=hits) is None:
             return None
         self._note_hits(req, len(hits))
@@ -204,7 +207,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running) or self.kv.restores_in_flight()
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and their token counts; allocate their blocks.
@@ -261,13 +264,18 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, cap: int) -> None:
         """Waiting requests into `out`, FIFO, from their cached prefix, while budget, sequence
-        slots and blocks last."""
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            req = self.waiting[0]
-            hits: list[int] = []
+        slots and blocks last. One whose prefix is being restored from the offload tiers is
+        passed over until the restore is done: the requests behind it go first."""
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            req = self.waiting[i]
+            hits: list[int] | None = []
             if req.num_computed_tokens == 0 and not self.kv.block_table(req.request_id):
                 # at least one token is computed, so the step has logits to sample from
                 hits = self.kv.cached_prefix(req, req.num_tokens - 1)
+                if hits is None:
+                    i += 1
+                    continue
             computed = req.num_computed_tokens + len(hits) * self.kv.block_size
             n = _chunk(req.num_tokens - computed, budget, cap if len(self.waiting) > 1 else budget)
             if self.kv.allocate_slots(req.request_id, computed + n, prefix=hits) is None:
@@ -277,7 +285,7 @@ class Scheduler:
             if req.num_computed_tokens == 0:
                 self._note_hits(req, len(hits))
             req.num_computed_tokens = computed
-            self.waiting.popleft()
+            del self.waiting[i]
             req.status = Status.RUNNING
             self.running.append(req)
             out.scheduled.append(self._scheduled(req, n))

@@ -261,6 +261,117 @@ def test_engine_answer_stays_hf_exact_with_corrupted_tiers(model_dir, hf, tmp_pa
     assert engine.pool.num_free == engine.pool.num_blocks
 
 
+def _evicted_first_prompt(engine, prompts):
+    """Prompt 0, then 1 and 2 (its blocks leave the pool for the host tier); -> 0's tokens."""
+    first = run(engine, [Request("a", prompts[0], GREEDY)])["a"]
+    run(engine, [Request("b", prompts[1], GREEDY)])
+    run(engine, [Request("c", prompts[2], GREEDY)])
+    return first
+
+
+def test_a_prompt_waiting_on_a_restore_does_not_stall_the_batch(model_dir, hf):
+    # the asynchronous path (CUDA's copies on their own stream) on CPUs: restores report done
+    # only after a few polls; meanwhile the requests behind the restoring one are scheduled
+    engine = make_engine(model_dir, num_blocks=24, block_size=4, max_num_batched_tokens=64,
+                         kv_offload_gib=0.005)
+    prompts = _prompts()
+    want = hf_greedy(hf, prompts[0], GREEDY.max_tokens)
+    assert _evicted_first_prompt(engine, prompts) == want
+    engine.offload.copies.min_polls = 3
+    short = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    engine.add_request(Request("a2", prompts[0], GREEDY))
+    engine.add_request(Request("d", [5, 6, 7, 8, 9], short))
+    got = {"a2": [], "d": []}
+    steps_while_restoring = 0
+    while engine.has_work():
+        for o in engine.step():
+            got[o.request_id].extend(o.new_token_ids)
+        if "a2" in engine.kv_manager._restoring and engine.last_step.num_seqs:
+            steps_while_restoring += 1                  # a2 still waits: the step ran d
+            assert [r.request_id for r in engine.scheduler.running] in (["d"], [])
+    assert steps_while_restoring >= 1 and len(got["d"]) == 2      # d ran meanwhile
+    assert got["a2"] == want
+    assert engine.offload.stats()["host"]["restored_blocks"] == 9
+    assert engine.kv_manager.hit_tokens == 36
+    assert not engine.kv_manager._restoring and engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_only_a_restore_in_flight_waits_for_it_instead_of_spinning(tiny_model_dir):
+    engine = small(tiny_model_dir, kv_offload_gib=0.001)
+    prompts = _prompts()
+    first = _evicted_first_prompt(engine, prompts)
+    engine.offload.copies.min_polls = 1000
+    engine.add_request(Request("a2", prompts[0], GREEDY))
+    assert engine.step() == [] and "a2" in engine.kv_manager._restoring
+    # nothing else to run: the step waited for the copies (done, not yet finished: a2 asks)
+    assert not engine.kv_manager.restores_in_flight() and "a2" in engine.kv_manager._restoring
+    got = []
+    while engine.has_work():
+        got += [t for o in engine.step() for t in o.new_token_ids]
+    assert got == first and engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_aborting_a_request_mid_restore_leaks_nothing(tiny_model_dir):
+    engine = small(tiny_model_dir, kv_offload_gib=0.001)
+    prompts = _prompts()
+    _evicted_first_prompt(engine, prompts)
+    engine.offload.copies.min_polls = 1000
+    engine.add_request(Request("a2", prompts[0], GREEDY))
+    engine.step()
+    job = engine.kv_manager._restoring["a2"]
+    assert len(job.block_ids) == 9 and engine.pool.num_free < engine.pool.num_blocks
+    assert engine.abort("a2")
+    assert not engine.kv_manager._restoring and not engine.has_work()
+    assert engine.pool.num_free == engine.pool.num_blocks
+    # what arrived intact stays cached: the prompt comes back as a pool hit
+    hits = engine.kv_manager.cached_prefix(Request("a3", prompts[0], GREEDY), 39)
+    assert len(hits) == 9 and engine.offload.stats()["host"]["restored_blocks"] == 9
+
+
+def test_a_decode_reservation_waits_for_its_restore(tiny_model_dir):
+    engine = small(tiny_model_dir, kv_offload_gib=0.001)
+    prompts = _prompts()
+    _evicted_first_prompt(engine, prompts)
+    engine.offload.copies.min_polls = 1000
+    req = Request("r", prompts[0], GREEDY)
+    assert engine.reserve_remote(req) is None            # restore begun
+    assert engine.has_work() and engine.reserve_remote(req) is None
+    engine.kv_manager.wait_restore()
+    blocks = engine.reserve_remote(req)
+    assert len(blocks) == 10 and req.num_cached_blocks == 10         # the whole prompt
+    assert engine.offload.stats()["host"]["restored_blocks"] == 10
+    assert engine.abort("r") and engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_the_engine_loop_serves_a_reservation_whose_prefix_is_restored(tiny_model_dir):
+    import asyncio
+
+    from engine.async_engine import AsyncEngine
+
+    engine = small(tiny_model_dir, kv_offload_gib=0.001, role="decode")
+    prompts = _prompts()
+    _evicted_first_prompt(engine, prompts)
+    off, kv = engine.offload, engine.kv_manager
+    off.copies.min_polls = 50
+
+    async def body():
+        aengine = AsyncEngine(engine)
+        aengine.start()
+        try:
+            req = Request("r", prompts[0], GREEDY)
+            aengine.open_stream("r")
+            blocks = await asyncio.wait_for(aengine.reserve(req), 10)
+            await aengine.abort("r")
+            await aengine.run(lambda: None)
+            return len(blocks), req.num_cached_blocks
+        finally:
+            aengine.stop()
+
+    assert asyncio.run(body()) == (10, 10)
+    assert off.stats()["host"]["restored_blocks"] == 10
+    assert not kv._restoring and engine.pool.num_free == engine.pool.num_blocks
+
+
 def test_offload_settings_are_checked(tiny_model_dir):
     from engine.config import EngineConfig
 
