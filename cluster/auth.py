@@ -135,15 +135,18 @@ class _TokenInterceptor(grpc.aio.ServerInterceptor):
                      None)
         if self.auth.accepts(value):
             return await continuation(details)
-        return _refusal(_STREAMING.get(method, "unary_unary"))
+        return refusal(_STREAMING.get(method, "unary_unary"), grpc.StatusCode.UNAUTHENTICATED,
+                       unauthenticated_message())
 
 
-def _refusal(kind: str):
+def refusal(kind: str, code: grpc.StatusCode, message: str):
+    """A method handler of that kind (unary_unary, unary_stream, stream_unary) that ends the
+    call with `code` and `message` (a server interceptor's answer instead of the servicer's)."""
     async def refuse(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, unauthenticated_message())
+        await context.abort(code, message)
 
     async def refuse_stream(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, unauthenticated_message())
+        await context.abort(code, message)
         yield                                   # never reached: a server stream
 
     if kind == "unary_stream":

@@ -1,9 +1,14 @@
 """Liveness probes shared by `pdserve up` and the container healthchecks.
 
-Workers answer the standard gRPC health service (`grpc.health.v1.Health/Check`, service "");
-the gateway answers `GET /health` with 200. Torch-free.
+Workers answer the standard gRPC health service (`grpc.health.v1.Health/Check`): service ""
+is readiness (SERVING once the worker is registered, NOT_SERVING from its drain on or when its
+engine died), service "pdserve.liveness" liveness (SERVING while the process serves RPCs, which
+a long engine step does not stop; NOT_SERVING once the engine died). The gateway answers `GET
+/health` with 200 while it runs (liveness) and `GET /ready` with 200 only while it has a worker
+of each role and is not draining. Torch-free.
 
     python -m cluster.health grpc 127.0.0.1:50061      # exit 0 when SERVING
+    python -m cluster.health grpc 127.0.0.1:50061 pdserve.liveness
     python -m cluster.health http http://127.0.0.1:8000/health
 """
 
@@ -16,15 +21,18 @@ import urllib.error
 import urllib.request
 
 
-def grpc_serving(address: str, timeout_s: float = 2.0) -> bool:
-    """True when the gRPC server at host:port reports SERVING for the overall service ("")."""
+LIVENESS_SERVICE = "pdserve.liveness"
+
+
+def grpc_serving(address: str, timeout_s: float = 2.0, service: str = "") -> bool:
+    """True when the gRPC server at host:port reports SERVING for `service` ("": readiness)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
         except grpc.RpcError:
             return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -71,10 +79,12 @@ def http_ok(url: str, timeout_s: float = 2.0) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2 or argv[0] not in ("grpc", "http"):
-        print("usage: python -m cluster.health grpc HOST:PORT | http URL", file=sys.stderr)
+    if not (argv[:1] == ["grpc"] and len(argv) in (2, 3) or argv[:1] == ["http"] and len(argv) == 2):
+        print("usage: python -m cluster.health grpc HOST:PORT [SERVICE] | http URL",
+              file=sys.stderr)
         return 2
-    ok = grpc_serving(argv[1]) if argv[0] == "grpc" else http_ok(argv[1])
+    ok = (grpc_serving(argv[1], service=argv[2] if len(argv) == 3 else "") if argv[0] == "grpc"
+          else http_ok(argv[1]))
     return 0 if ok else 1
 
 

@@ -291,6 +291,63 @@ class GatewayMetrics:
         self.directory_blocks = Gauge("pdserve_prefix_directory_blocks",
                                       "Block hashes listed in the Redis prefix directory",
                                       ["worker"], registry=r)
+        # autoscaling signals per pool (role), from the workers' heartbeats (set_pools)
+        pool = ["pool"]
+        self.pool_workers = Gauge("pdserve_pool_workers", "Workers registered", pool,
+                                  registry=r)
+        self.pool_running = Gauge("pdserve_pool_requests_running",
+                                  "Requests in the workers' batches", pool, registry=r)
+        self.pool_waiting = Gauge("pdserve_pool_requests_waiting",
+                                  "Requests queued at the workers for a place in the batch",
+                                  pool, registry=r)
+        self.pool_kv = Gauge("pdserve_pool_kv_utilization",
+                             "Share of the pool's KV blocks in use (cached free blocks count "
+                             "as free)", pool, registry=r)
+        self.pool_backlog_tokens = Gauge("pdserve_pool_backlog_tokens",
+                                         "Work queued: prompt tokens to compute (prefill), "
+                                         "tokens to generate at most (decode)", pool,
+                                         registry=r)
+        self.pool_backlog_s = Gauge("pdserve_pool_backlog_seconds",
+                                    "The backlog over the pool's measured rate (prompt or "
+                                    "generated tokens per busy second): how long the pool "
+                                    "needs to clear it at today's size", pool, registry=r)
+        self.slo_target = Gauge("pdserve_slo_target_seconds",
+                                "The configured SLO (--slo-ttft, --slo-tpot; 0: off)", ["kind"],
+                                registry=r)
+        self.slo = Counter("pdserve_slo_requests",
+                           "Requests measured against the SLO: met or missed", ["kind", "outcome"],
+                           registry=r)
+        self._slo_s = {"ttft": 0.0, "tpot": 0.0}
+
+    def set_slo(self, ttft_s: float, tpot_s: float) -> None:
+        self._slo_s = {"ttft": ttft_s, "tpot": tpot_s}
+        for kind, target in self._slo_s.items():
+            self.slo_target.labels(kind=kind).set(target)
+
+    def observe_slo(self, kind: str, seconds: float) -> None:
+        target = self._slo_s[kind]
+        if target > 0:
+            self.slo.labels(kind=kind, outcome="met" if seconds <= target else "missed").inc()
+
+    def set_pools(self, workers: dict) -> None:
+        """The pool gauges from the registered workers (role -> [cluster.registry.WorkerInfo]).
+        Backlog: prefill pools count the prompt tokens queued, decode pools the tokens left to
+        generate, each over the sum of the workers' measured rates."""
+        for role, ws in workers.items():
+            total = sum(w.total_blocks for w in ws)
+            used = sum(w.total_blocks - w.free_blocks for w in ws)
+            if role == "prefill":
+                tokens = sum(w.queued_prompt_tokens for w in ws)
+                rate = sum(w.prompt_tokens_per_s for w in ws)
+            else:
+                tokens = sum(w.remaining_decode_tokens for w in ws)
+                rate = sum(w.decode_tokens_per_s for w in ws)
+            self.pool_workers.labels(pool=role).set(len(ws))
+            self.pool_running.labels(pool=role).set(sum(w.running for w in ws))
+            self.pool_waiting.labels(pool=role).set(sum(w.waiting for w in ws))
+            self.pool_kv.labels(pool=role).set(used / total if total else 0.0)
+            self.pool_backlog_tokens.labels(pool=role).set(tokens)
+            self.pool_backlog_s.labels(pool=role).set(tokens / rate if rate > 0 else 0.0)
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

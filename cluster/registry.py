@@ -122,6 +122,11 @@ class WorkerInfo:
     waiting: int = 0
     free_blocks: int = 0
     started_at: float = 0.0
+    # the autoscaling signals (each heartbeat): work queued here and the rates measured lately
+    queued_prompt_tokens: int = 0
+    remaining_decode_tokens: int = 0
+    prompt_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -213,13 +218,14 @@ class WorkerRegistration(RedisPeriodic):
 
     def __init__(self, redis_url: str, info: WorkerInfo, load=None, ttl_s: float = 10.0,
                  interval_s: float = 2.0, auth: ClusterAuth | None = None,
-                 redis_settings: RedisSettings = RedisSettings()) -> None:
+                 redis_settings: RedisSettings = RedisSettings(), signals=None) -> None:
         if interval_s >= ttl_s:
             raise ValueError("heartbeat interval must be shorter than the TTL")
         super().__init__(redis_url, interval_s, redis_settings)
         self.auth = auth or ClusterAuth()
         self.info = info
         self.load = load
+        self.signals = signals        # () -> {WorkerInfo field: value}, the autoscaling ones
         self.ttl_s = ttl_s
 
     @property
@@ -234,6 +240,8 @@ class WorkerRegistration(RedisPeriodic):
         if self.load is not None:
             running, waiting, free = self.load()
             info = dataclasses.replace(info, running=running, waiting=waiting, free_blocks=free)
+        if self.signals is not None:
+            info = dataclasses.replace(info, **self.signals())
         fields = info.to_redis()
         # the signature binds the entry to its key and to a time: a copy under another key, or
         # an old entry written back (a dead worker's, a quieter load's), does not verify

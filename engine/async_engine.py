@@ -25,7 +25,7 @@ from typing import Callable
 
 from engine.engine import Engine
 from engine.parallel import RankFailure
-from engine.request import Request, RequestOutput, TokenLogprob
+from engine.request import Request, RequestOutput, Status, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +222,23 @@ class AsyncEngine:
         """(running, waiting, free blocks): a racy snapshot, good enough for routing."""
         s = self.engine.scheduler
         return len(s.running), len(s.waiting) + len(self._pending_reserve), self.engine.pool.num_free
+
+    def backlog(self) -> tuple[int, int]:
+        """(prompt tokens still to compute here, tokens still to generate at most) of the
+        requests queued and running: a racy snapshot for the autoscaling signals. A request
+        whose KV another worker computes has no prompt work here; a prefill worker generates
+        only first tokens."""
+        s, cfg = self.engine.scheduler, self.engine.cfg
+        here = [*list(s.waiting), *list(s.running)]
+        prompt = sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in here
+                     if r.status is not Status.WAITING_FOR_REMOTE_KV)
+        if cfg.role == "prefill":
+            return prompt, 0
+        # and those whose KV a prefill worker computes: reserved, or waiting for blocks
+        reqs = here + list(s.remote.values()) + [r for r, _ in list(self._pending_reserve)]
+        decode = sum(max(min(r.params.max_tokens - len(r.output_token_ids),
+                             cfg.max_model_len - r.num_tokens), 0) for r in reqs)
+        return prompt, decode
 
     # ------------------------------------------------------------------ engine thread
     def _reserve_or_queue(self, req: Request, fut: concurrent.futures.Future) -> None:

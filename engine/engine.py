@@ -37,6 +37,9 @@ class EngineStats:
     spec_proposed: int = 0       # speculative tokens verified
     spec_accepted: int = 0       # of which accepted
     spec_seq_steps: int = 0      # (sequence, step) pairs that verified proposals
+    prompt_tokens: int = 0       # prompt tokens computed
+    generated_tokens: int = 0    # tokens sampled
+    busy_s: float = 0.0          # wall time of the steps that ran a batch
 
 
 @dataclass(frozen=True)
@@ -409,10 +412,12 @@ class Engine:
         st.spec_proposed += proposed
         st.spec_accepted += accepted
         st.spec_seq_steps += len(spec)
-        self.last_step = StepStats(len(sched.scheduled), sched.num_tokens,
-                                   prompt, sum(len(t) for t in tokens),
-                                   len(sched.preempted), time.perf_counter() - t0, proposed,
-                                   accepted, len(spec))
+        generated, duration = sum(len(t) for t in tokens), time.perf_counter() - t0
+        st.prompt_tokens += prompt
+        st.generated_tokens += generated
+        st.busy_s += duration
+        self.last_step = StepStats(len(sched.scheduled), sched.num_tokens, prompt, generated,
+                                   len(sched.preempted), duration, proposed, accepted, len(spec))
 
     def _propose(self) -> None:
         """Proposals for the running sequences that decode this step (req.spec_token_ids)."""

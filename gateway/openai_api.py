@@ -3,7 +3,8 @@
     POST /v1/completions        text or token-id prompt
     POST /v1/chat/completions   messages rendered with the model's chat template
     GET  /v1/models             the served model
-    GET  /health                200 while the app is up, with worker counts
+    GET  /health                200 while the app is up, with worker counts (liveness)
+    GET  /ready                 200 with a worker of each role and not draining, else 503
     GET  /metrics               Prometheus text: TTFT, inter-token and end-to-end latency, ...
 
 Errors are OpenAI error bodies (see errors.GatewayError). A streaming request is primed: the
@@ -354,6 +355,17 @@ def create_app(preparer: RequestPreparer, pipeline: Pipeline, router: Router,
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": served.name, "workers": router.counts()}
+
+    app.state.draining = False          # set by gateway.server on SIGTERM
+
+    @app.get("/ready")
+    async def ready():
+        counts = router.counts()
+        missing = [r for r in ("prefill", "decode") if not counts.get(r)]
+        why = ("draining" if app.state.draining else
+               f"no {' and no '.join(missing)} worker registered" if missing else "")
+        body = {"status": why or "ready", "model": served.name, "workers": counts}
+        return JSONResponse(body, status_code=503 if why else 200)
 
     add_utility_routes(app, preparer)     # /tokenize, /detokenize, /version
     return app

@@ -93,27 +93,32 @@ class _LatencyTimer:
 
     def __init__(self, metrics: GatewayMetrics, choices: int = 1) -> None:
         self.m = metrics
-        self.start = self.last = time.perf_counter()
+        self.start = self.last = self.first_at = time.perf_counter()
         self.first = True
         self.open = choices             # the request ends with its last choice
+        self.tokens = 0
 
     def delta(self, d: Delta) -> None:
         now = time.perf_counter()
         if d.token_ids:
             if self.first:
                 self.m.ttft.observe(now - self.start)
-                self.first = False
+                self.m.observe_slo("ttft", now - self.start)
+                self.first, self.first_at = False, now
             else:
                 self.m.itl.observe(now - self.last)
             for _ in d.token_ids[1:]:     # tokens that arrived together reach the client together
                 self.m.itl.observe(0.0)
             self.m.generated.inc(len(d.token_ids))
+            self.tokens += len(d.token_ids)
             self.last = now
         if d.finish_reason:
             self.m.finished.labels(reason=d.finish_reason).inc()
             self.open -= 1
             if self.open == 0:
                 self.m.e2e.observe(now - self.start)
+                if self.tokens > 1:      # time per output token after the first
+                    self.m.observe_slo("tpot", (self.last - self.first_at) / (self.tokens - 1))
 
 
 class Pipeline:

@@ -205,6 +205,8 @@ class Router:
         before = {w.id for ws in self._workers.values() for w in ws}
         for role in ROLES:
             self._workers[role] = [w for w in accepted if w.role == role]
+        if self.metrics is not None:
+            self.metrics.set_pools(self._workers)
         now = {w.id: w for w in accepted}
         for wid in sorted(now.keys() - before):
             log.info("worker %s joined (%s at %s)", wid, now[wid].role, now[wid].address)

@@ -74,6 +74,7 @@ async def serve(args: argparse.Namespace) -> None:
                           args.max_tokens_default, args.tool_call_parser)
     preparer = RequestPreparer(Tokenizer(model_dir), served)
     metrics = GatewayMetrics()
+    metrics.set_slo(getattr(args, "slo_ttft", 0.0), getattr(args, "slo_tpot", 0.0))
     auth = ClusterAuth.from_sources(getattr(args, "cluster_token_file", None))
     redis_settings = RedisSettings.from_sources(getattr(args, "redis_password_file", None),
                                                 getattr(args, "redis_ca_cert", None))
@@ -104,13 +105,28 @@ async def serve(args: argparse.Namespace) -> None:
             ssl.update(ssl_ca_certs=tls[2], ssl_cert_reqs=CERT_REQUIRED)
     front = BodyLimit(AuthMiddleware(app, keys, open_paths),
                       getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES))
+    drain_s = getattr(args, "drain_timeout", 0.0)
     http = _Uvicorn(uvicorn.Config(front, host=args.host,
                                    port=args.http_port, log_level=args.log_level.lower(),
-                                   lifespan="off", access_log=False, **ssl))
+                                   lifespan="off", access_log=False,
+                                   timeout_graceful_shutdown=drain_s, **ssl))
 
     loop = asyncio.get_running_loop()
+    grpc_stopped: list[asyncio.Task] = []
+
+    def on_signal() -> None:
+        """The first signal drains: /ready answers 503, no new connection is taken, the
+        streams running get --drain-timeout to end (gRPC ones too); a second one exits now."""
+        if http.should_exit:
+            http.force_exit = True
+            return
+        log.info("gateway draining: %d requests in flight get %g s to end (a second signal "
+                 "ends them now)", admission.used, drain_s)
+        app.state.draining = True
+        http.should_exit = True
+        grpc_stopped.append(loop.create_task(grpc_server.stop(grace=drain_s)))
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, lambda: setattr(http, "should_exit", True))
+        loop.add_signal_handler(sig, on_signal)
     await router.start()
     await grpc_server.start()
     log.info("gateway serving %s (max_model_len %d, max_tokens_default %d, tool calls %s, "
@@ -125,7 +141,10 @@ async def serve(args: argparse.Namespace) -> None:
     finally:
         log.info("gateway shutting down")
         await health.enter_graceful_shutdown()
-        await grpc_server.stop(grace=5.0)
+        if grpc_stopped:
+            await grpc_stopped[0]
+        else:
+            await grpc_server.stop(grace=drain_s)
         await router.stop()
         tracing.shutdown()          # sends the spans still buffered
         for sig in (signal.SIGINT, signal.SIGTERM):

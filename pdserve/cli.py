@@ -11,8 +11,8 @@ import logging
 import shlex
 import sys
 
-from pdserve.flags import (ROLE_DESCRIPTIONS, ROLES, WORKER_PORTS, add_gateway, add_model,
-                           add_worker, role_parser)
+from pdserve.flags import (ROLE_DESCRIPTIONS, ROLES, WORKER_PORTS, FlagFileParser, add_gateway,
+                           add_model, add_worker, role_parser)
 
 
 # Per-process plumbing: `pdserve up` sets these for each child itself (or leaves the child's
@@ -202,8 +202,10 @@ def _register(sub, modules: tuple[str, ...]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
+    parser = FlagFileParser(
+        prog="pdserve", description="Disaggregated prefill/decode LLM serving; `pdserve ROLE "
+                                    "@FILE ...` reads flags from FILE too (a line of flags "
+                                    "each, `#` comments).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     model = sub.add_parser("model", help="fetch the default model, quantize a checkpoint",

@@ -5,6 +5,7 @@ building a parser imports nothing heavy."""
 from __future__ import annotations
 
 import argparse
+import shlex
 
 from cluster.paths import default_model_dir
 from cluster.tracing import PROTOCOLS as OTLP_PROTOCOLS
@@ -103,7 +104,20 @@ def add_worker(p: argparse.ArgumentParser, role: str, port: int) -> None:
                         "0 turns it off")
     add_deployment_security(p)
     add_tracing(p)
+    add_drain(p)
     p.add_argument("--log-level", default="INFO")
+
+
+DEFAULT_DRAIN_S = 30.0
+
+
+def add_drain(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drain-timeout", type=non_negative_float, default=DEFAULT_DRAIN_S,
+                   metavar="S",
+                   help="on SIGTERM: stop taking requests (readiness fails, a worker leaves the "
+                        "registry), give the running ones S seconds to finish, then exit; a "
+                        "decode stream still running then is moved to another decode worker by "
+                        "the gateway; a second signal exits at once (default: 30)")
 
 
 def _add_engine(p: argparse.ArgumentParser) -> None:
@@ -292,6 +306,13 @@ def add_gateway(p: argparse.ArgumentParser) -> None:
                       help="require client certificates signed by this CA (mutual TLS)")
     add_deployment_security(p)
     add_tracing(p)
+    add_drain(p)
+    slo = p.add_argument_group("SLO (the autoscaling signals on /metrics)")
+    slo.add_argument("--slo-ttft", type=non_negative_float, default=0.0, metavar="S",
+                     help="time to first token a request should meet: pdserve_slo_requests"
+                          "{kind=\"ttft\"} counts those that met and missed it (0: off)")
+    slo.add_argument("--slo-tpot", type=non_negative_float, default=0.0, metavar="S",
+                     help="time per output token after the first, the same way (0: off)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -305,6 +326,18 @@ def role_parser(role: str, parser_class: type = argparse.ArgumentParser
     else:
         add_worker(p, role, WORKER_PORTS[role])
     return p
+
+
+class FlagFileParser(argparse.ArgumentParser):
+    """Reads `@FILE` arguments as flags, a line of whitespace-separated words each (shell
+    quoting; `#` starts a comment): how deploy/k8s passes a ConfigMap of flags."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("fromfile_prefix_chars", "@")
+        super().__init__(*args, **kwargs)
+
+    def convert_arg_line_to_args(self, arg_line: str) -> list[str]:
+        return shlex.split(arg_line, comments=True)
 
 
 class DefaultsFormatter(argparse.RawDescriptionHelpFormatter):

@@ -37,6 +37,7 @@ from typing import Callable
 
 from cluster import health
 from pdserve.cli import long_flag, passthrough_actions
+from pdserve.flags import DEFAULT_DRAIN_S
 from cluster.paths import default_model_dir, resolve_model
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class Stack:
 
     children: list[Child] = field(default_factory=list)
     tmpdir: Path | None = None
+    grace_s: float = STOP_GRACE_S      # a child's drain (--drain-timeout) and then some
 
     def spawn(self, name: str, cmd: list[str], healthy: Callable[[], bool], **popen) -> Child:
         log.info("starting %s: %s", name, " ".join(_loggable(cmd)))
@@ -122,9 +124,9 @@ class Stack:
             log.info("stopping %s (pid %d)", child.name, child.proc.pid)
             child.proc.terminate()
             try:
-                child.proc.wait(timeout=STOP_GRACE_S)
+                child.proc.wait(timeout=self.grace_s)
             except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in %.0fs, killing it", child.name, STOP_GRACE_S)
+                log.warning("%s did not stop in %.0fs, killing it", child.name, self.grace_s)
                 child.proc.kill()
                 child.proc.wait()
         if self.tmpdir is not None:
@@ -434,7 +436,8 @@ def main(args) -> int:
     # Set both explicitly: a shell starts background jobs with SIGINT ignored.
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    stack = Stack()
+    drain = getattr(args, "drain_timeout", None)     # None: the roles' default
+    stack = Stack(grace_s=(DEFAULT_DRAIN_S if drain is None else drain) + STOP_GRACE_S)
     try:
         model, redis_url, probe = _start_all(args, stack)
         print(_banner(args, model, redis_url, probe), flush=True)

@@ -18,9 +18,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.async_engine import EngineDead, Overloaded
 from cluster.auth import SERVER_KEEPALIVE, ClusterAuth
+from cluster.health import LIVENESS_SERVICE
 from cluster.paths import resolve_model
 from cluster.prefix_directory import DirectoryPublisher
 from cluster.registry import RedisSettings, WorkerInfo, WorkerRegistration
+from serving.drain import Drain
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +191,9 @@ async def serve(args, role: str, add_services: Callable) -> None:
     redis_settings = RedisSettings.from_sources(getattr(args, "redis_password_file", None),
                                                 getattr(args, "redis_ca_cert", None))
     engine, model_dir = build_engine(args, role)
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=auth.server_interceptors())
+    drain = Drain()
+    server = grpc.aio.server(options=SERVER_OPTIONS,
+                             interceptors=[*auth.server_interceptors(), drain])
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     if port == 0:
         raise SystemExit(f"cannot bind {args.host}:{args.port}")
@@ -206,6 +210,7 @@ async def serve(args, role: str, add_services: Callable) -> None:
 
         async def leave():
             await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
             for duty in duties:
                 await duty.stop()
         loop.create_task(leave())
@@ -220,6 +225,10 @@ async def serve(args, role: str, add_services: Callable) -> None:
         metrics.serve(args.host, metrics_port)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    # liveness: the process serves its RPCs (a long step does not stop it); "" (readiness)
+    # is SERVING once registered, NOT_SERVING from the drain on
+    await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await health_servicer.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     closer = add_services(server, aengine, ident, metrics, auth)
     await server.start()
 
@@ -232,12 +241,22 @@ async def serve(args, role: str, add_services: Callable) -> None:
              ident.address, "deployment token required" if auth.enabled else
              "no deployment token: open to anyone who reaches it", args.host, metrics_port)
 
-    await _until_signal(loop)
-    log.info("%s worker %s stopping", role, ident.id)
+    again = await _until_signal(loop)
+    timeout = getattr(args, "drain_timeout", 0.0)
+    log.info("%s worker %s draining: out of the registry, new requests refused, the %d running "
+             "given %g s to end (a second signal ends the wait)", role, ident.id,
+             drain.in_flight, timeout)
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
     for duty in duties:
         await duty.stop()
-    await server.stop(grace=2.0)
+    drain.start()
+    left = await drain.wait(timeout, again)
+    if left:
+        log.warning("%s worker %s: %d requests still running after the drain; ending them "
+                    "(the gateway moves a decode stream to another decode worker)", role,
+                    ident.id, left)
+    log.info("%s worker %s stopping", role, ident.id)
+    await server.stop(grace=1.0)
     if closer is not None:
         await closer.close()
     aengine.stop()
@@ -256,11 +275,16 @@ def _worker_metrics(role: str, ident: WorkerIdentity, engine, load: Callable):
                          offload=engine.offload.stats if engine.offload is not None else None)
 
 
-async def _until_signal(loop: asyncio.AbstractEventLoop) -> None:
-    stop = asyncio.Event()
+async def _until_signal(loop: asyncio.AbstractEventLoop) -> asyncio.Event:
+    """Wait for SIGINT or SIGTERM; -> an event the next one sets."""
+    first, again = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        (again if first.is_set() else first).set()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+        loop.add_signal_handler(sig, on_signal)
+    await first.wait()
+    return again
 
 
 def _registry_duties(redis_url: str, role: str, ident: WorkerIdentity, aengine, auth: ClusterAuth,
@@ -274,7 +298,7 @@ def _registry_duties(redis_url: str, role: str, ident: WorkerIdentity, aengine, 
                       head_dim=lay.head_dim, total_blocks=engine.pool.num_blocks,
                       tensor_parallel_size=lay.tensor_parallel_size, started_at=time.time())
     reg = WorkerRegistration(redis_url, info, load=aengine.load, auth=auth,
-                             redis_settings=redis_settings)
+                             redis_settings=redis_settings, signals=Signals(aengine))
     if engine.kv_manager.hasher is None:
         return [reg]
     tiers = engine.offload.tiers if engine.offload is not None else []
@@ -282,6 +306,31 @@ def _registry_duties(redis_url: str, role: str, ident: WorkerIdentity, aengine, 
                                       redis_settings=redis_settings, tier=tier)
                    for tier, events in (("", engine.pool.events),
                                         *((t.name, t.events) for t in tiers)))]
+
+
+class Signals:
+    """The autoscaling signals of a heartbeat: the work queued here (AsyncEngine.backlog) and
+    the prompt and generated tokens per second of busy engine time since the last beat (the
+    last rate measured is kept while the engine idles)."""
+
+    def __init__(self, aengine) -> None:
+        self.aengine = aengine
+        self._last = (0, 0, 0.0)
+        self._rates = (0.0, 0.0)
+
+    def __call__(self) -> dict:
+        st = self.aengine.engine.stats
+        now = (st.prompt_tokens, st.generated_tokens, st.busy_s)
+        busy = now[2] - self._last[2]
+        if busy > 0:
+            prompt_rate = (now[0] - self._last[0]) / busy
+            decode_rate = (now[1] - self._last[1]) / busy
+            self._rates = (prompt_rate or self._rates[0], decode_rate or self._rates[1])
+        self._last = now
+        prompt, decode = self.aengine.backlog()
+        return dict(queued_prompt_tokens=prompt, remaining_decode_tokens=decode,
+                    prompt_tokens_per_s=round(self._rates[0], 3),
+                    decode_tokens_per_s=round(self._rates[1], 3))
 
 
 async def _set_health(servicer, status) -> None:

@@ -125,6 +125,12 @@ def test_decode_death_mid_stream_ends_the_stream_with_an_error(stack):
     resp = httpx.post(gateway.http + "/v1/completions", json={"prompt": "hi", "max_tokens": 4},
                       timeout=30)
     assert resp.status_code == 503
+    # not ready without a decode worker (its registration expires), though alive
+    wait_until(lambda: httpx.get(gateway.http + "/ready", timeout=5).status_code == 503, 30,
+               "the gateway not ready")
+    assert httpx.get(gateway.http + "/ready", timeout=5).json()["status"] == (
+        "no decode worker registered")
+    assert httpx.get(gateway.http + "/health", timeout=5).status_code == 200
 
 
 def test_sigterm_stops_the_gateway_cleanly(stack):
