@@ -198,6 +198,15 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
     async def Stats(self, request, context):
         return worker_stats(self.aengine)
 
+    def end_streams(self, why: str) -> int:
+        """End every open Decode stream with UNAVAILABLE (`why`): the gateway moves each to
+        another decode worker (the drain's deadline). -> how many."""
+        rids = list(self._open)
+        for rid in rids:
+            self._ended[rid] = grpc.StatusCode.UNAVAILABLE
+            self.aengine.fail(rid, why)
+        return len(rids)
+
     async def close(self) -> None:
         for task in list(self._pending):
             task.cancel()

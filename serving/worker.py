@@ -181,8 +181,9 @@ async def serve(args, role: str, add_services: Callable) -> None:
 
     add_services(server, async_engine, identity, metrics, auth) registers the role's servicers
     (auth: the deployment token, which their KV transports carry or check) and returns an object
-    with an async `close()` (or None). The token and the Redis settings are read here, once,
-    from the flags (else the environment). One function because its order is the contract:
+    with an async `close()` and, if it has streams to end at the drain's deadline,
+    `end_streams(why)` (or None). The token and the Redis settings are read here, once, from the
+    flags (else the environment). One function because its order is the contract:
     serving before registering, leaving the registry before the server and the engine stop.
     """
     from engine.async_engine import AsyncEngine
@@ -255,6 +256,10 @@ async def serve(args, role: str, add_services: Callable) -> None:
         log.warning("%s worker %s: %d requests still running after the drain; ending them "
                     "(the gateway moves a decode stream to another decode worker)", role,
                     ident.id, left)
+        if hasattr(closer, "end_streams"):
+            closer.end_streams(f"the decode worker drained (--drain-timeout {timeout:g} s); "
+                               "the stream goes on on another decode worker")
+            await drain.wait(5.0, again)
     log.info("%s worker %s stopping", role, ident.id)
     await server.stop(grace=1.0)
     if closer is not None:

@@ -14,6 +14,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -296,3 +297,21 @@ def test_the_inference_pool_selects_the_gateways():
     assert pool["spec"]["selector"]["matchLabels"].items() <= labels.items()
     ports = [p["containerPort"] for p in gw["spec"]["template"]["spec"]["containers"][0]["ports"]]
     assert [p["number"] for p in pool["spec"]["targetPorts"]] == [8000] and 8000 in ports
+
+
+def test_the_core_validation_needs_no_network(tmp_path):
+    """kubernetes-validate reads the schemas it bundles: the check runs in a network namespace
+    of its own (no interface but loopback, no name resolution)."""
+    if shutil.which("unshare") is None or subprocess.run(
+            ["unshare", "-n", "true"], capture_output=True).returncode != 0:
+        pytest.skip("cannot make a network namespace here (unshare -n needs root)")
+    doc = tmp_path / "gateway.json"
+    doc.write_text(json.dumps(deployment("cpu", "gateway")))
+    code = ("import json, socket, sys, kubernetes_validate\n"
+            "try:\n    socket.create_connection(('pypi.org', 443), timeout=3)\n"
+            "    sys.exit('the namespace has a network')\nexcept OSError:\n    pass\n"
+            f"kubernetes_validate.validate(json.load(open({str(doc)!r})), {KUBE_VERSION!r}, "
+            "strict=True)\n")
+    out = subprocess.run(["unshare", "-n", sys.executable, "-c", code], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
