@@ -173,6 +173,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                 done.update(o.choice for o in outs if o.finished)
                 finished = len(done) >= req.params.n
                 for batch in _token_batches(outs):
+                    if request.local_prefill:
+                        batch.num_cached_tokens = req.num_cached_tokens
                     yield pb.DecodeEvent(tokens=batch)
         finally:
             self._open.discard(rid)

@@ -35,6 +35,7 @@ class Delta:
     finish_reason: str | None
     completion_tokens: int          # of this choice
     index: int = 0                  # the choice (n > 1)
+    cached_tokens: int | None = None   # on the request's last Delta: prompt tokens found cached
 
 
 class StopStrings:
@@ -130,6 +131,7 @@ class Choices:
         self.n = prepared.params.n
         self.states = [ChoiceText(tokenizer, prepared, i) for i in range(self.n)]
         self.done: set[int] = set()
+        self.cached_tokens = 0          # of the prompt, on the worker that computed it
 
     @property
     def started(self) -> bool:

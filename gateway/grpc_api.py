@@ -9,7 +9,10 @@ Proto3 scalars cannot be "unset", so in SamplingParams: temperature 0 means gree
 of an empty message), top_p 0 means 1 (off), top_k 0 means off; max_tokens must be set (>= 1);
 seed is optional (a random one is chosen when absent); repetition_penalty and
 skip_special_tokens are optional (1 and true when absent); n 0 means 1. With n > 1 each
-response carries its choice's `index`; the usage is on the last one.
+response carries its choice's `index`; the usage is on the last one (with its cached_tokens),
+and with continuous_usage on every one (its choice's so far). truncate_prompt_tokens /
+truncation_side cut the prompt as on REST; return_prompt_token_ids puts the prompt's ids on each
+choice's first response.
 """
 
 from __future__ import annotations
@@ -80,22 +83,29 @@ def _structured(p: pdserve_pb2.SamplingParams) -> Structured | None:
 
 
 def _response(prepared: PreparedRequest, delta: Delta, text: str, used: dict[int, int],
-              finished: set[int], trace: RequestTrace) -> pdserve_pb2.GenerateResponse:
+              finished: set[int], trace: RequestTrace, request: pdserve_pb2.GenerateRequest
+              ) -> pdserve_pb2.GenerateResponse:
     """`used`: completion tokens per choice so far, `finished`: choices done (both updated
     here); the usage (and the timing, when asked for) goes on the last response of the
-    request (every choice finished)."""
+    request (every choice finished), and on every one with continuous_usage (its choice's)."""
     out = pdserve_pb2.GenerateResponse(
         request_id=prepared.public_id, token_ids=delta.token_ids, text=text,
         finish_reason=delta.finish_reason or "", index=delta.index)
+    if request.return_prompt_token_ids and delta.index not in used:
+        out.prompt_token_ids.extend(prepared.prompt_token_ids)
     for lp in delta.logprobs:
         out.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
                          top=[pdserve_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
     used[delta.index] = delta.completion_tokens
+    if request.continuous_usage:
+        out.usage.prompt_tokens = prepared.num_prompt_tokens
+        out.usage.completion_tokens = delta.completion_tokens
     if delta.finish_reason:
         finished.add(delta.index)
         if len(finished) == prepared.params.n:
             out.usage.prompt_tokens = prepared.num_prompt_tokens
             out.usage.completion_tokens = sum(used.values())
+            out.usage.cached_tokens = delta.cached_tokens or 0
             if trace.want_timing:
                 out.timing.CopyFrom(trace.to_proto())
     return out
@@ -133,10 +143,12 @@ class GenerationServicer(pdserve_pb2_grpc.GenerationServicer):
                 prompt, params = request_to_shared(request)
             with trace.phase("tokenize"):
                 # templating and tokenizing a long prompt takes a while: not on the event loop
-                prepared = await asyncio.to_thread(self.preparer.prepare, prompt, params,
-                                                   request.model or None,
-                                                   client_request_id=request.request_id,
-                                                   cache_salt=request.cache_salt)
+                keep = (request.truncate_prompt_tokens
+                        if request.HasField("truncate_prompt_tokens") else None)
+                prepared = await asyncio.to_thread(
+                    self.preparer.prepare, prompt, params, request.model or None,
+                    client_request_id=request.request_id, cache_salt=request.cache_salt,
+                    truncate_prompt_tokens=keep, truncation_side=request.truncation_side or None)
         except GatewayError as err:
             await abort(context, err, trace)
         trace.describe(prepared)
@@ -152,7 +164,8 @@ class GenerationServicer(pdserve_pb2_grpc.GenerationServicer):
             prompt, prepared = await self._prepare(request, context, trace)
             echo = ""
             if prepared.params.echo:
-                echo = prompt.text if prompt.text is not None else \
+                truncated = request.HasField("truncate_prompt_tokens")
+                echo = prompt.text if prompt.text is not None and not truncated else \
                     self.preparer.tokenizer.decode(prepared.prompt_token_ids)
             echoed: set[int] = set()
             used: dict[int, int] = {}
@@ -164,7 +177,7 @@ class GenerationServicer(pdserve_pb2_grpc.GenerationServicer):
                         if echo and delta.index not in echoed:
                             echoed.add(delta.index)
                             text = echo + text
-                        yield _response(prepared, delta, text, used, finished, trace)
+                        yield _response(prepared, delta, text, used, finished, trace, request)
                 except GatewayError as err:
                     log.warning("request %s (client id %r) failed: %s", prepared.request_id,
                                 prepared.client_request_id, err)

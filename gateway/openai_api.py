@@ -198,15 +198,20 @@ class OpenAIServer:
         with trace.phase("tokenize"):
             prepared = [self.preparer.prepare(p, params, body.model,
                                               rid if len(prompts) == 1 else f"{rid}-{i}",
-                                              cache_salt=body.cache_salt)
+                                              cache_salt=body.cache_salt,
+                                              truncate_prompt_tokens=body.truncate_prompt_tokens,
+                                              truncation_side=body.truncation_side)
                         for i, p in enumerate(prompts)]
         for p in prepared:
             trace.describe(p)
         echo = []
         if params.echo:
             tok = self.preparer.tokenizer
-            echo = [p.text if p.text is not None else tok.decode(r.prompt_token_ids)
-                    for p, r in zip(prompts, prepared)]
+            # vLLM's: with return_token_ids the text leaves the prompt out (its ids say it);
+            # a truncated prompt echoes what was kept
+            echo = ["" if body.return_token_ids else
+                    p.text if p.text is not None and body.truncate_prompt_tokens is None
+                    else tok.decode(r.prompt_token_ids) for p, r in zip(prompts, prepared)]
         return prepared, echo, plan
 
     def _trace(self, request: Request, body: CompletionRequest | ChatCompletionRequest
@@ -242,7 +247,8 @@ class OpenAIServer:
             if plan is not None and plan.mode != "none":
                 tools = lambda: ToolOutput(plan)              # noqa: E731 - one per choice
             fmt = OpenAIFormatter(prepared, self.preparer.tokenizer, body.include_usage, echo,
-                                  tools)
+                                  tools, token_ids=body.return_token_ids,
+                                  continuous_usage=body.continuous_usage)
             deltas = _merge([self.pipeline.generate(p, trace) for p in prepared])
             nvext = body.nvext_fields()
             try:

@@ -37,6 +37,9 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
     tools: object | None = None     # the tool-call output of a chat choice (gateway.tools)
+    prompt: int = 0                 # the prompt it belongs to
+    token_ids: list[int] = field(default_factory=list)
+    sent_prompt_ids: bool = False   # streaming with return_token_ids: its first chunk went out
 
 
 class ToolOutput:
@@ -73,13 +76,19 @@ class OpenAIFormatter:
 
     def __init__(self, prepared: PreparedRequest | Sequence[PreparedRequest],
                  tokenizer: Tokenizer, include_usage: bool = False,
-                 echo: Sequence[str] = (), tool_output=None) -> None:
+                 echo: Sequence[str] = (), tool_output=None, token_ids: bool = False,
+                 continuous_usage: bool = False) -> None:
         """`echo`: per prompt, the text put in front of each of its choices (completions'
-        echo); `tool_output`: a factory of a choice's tool-call handling (chat with tools)."""
+        echo); `tool_output`: a factory of a choice's tool-call handling (chat with tools);
+        `token_ids`: vLLM's return_token_ids (the prompt's ids and each choice's, streamed as
+        they come); `continuous_usage`: every chunk carries its choice's usage so far."""
         self.requests = [prepared] if isinstance(prepared, PreparedRequest) else list(prepared)
         self.prepared = self.requests[0]
         self.tokenizer = tokenizer
         self.include_usage = include_usage
+        self.token_ids = token_ids
+        self.continuous_usage = continuous_usage
+        self._cached: dict[int, int] = {}       # prompt -> its tokens found cached
         self.chat = self.prepared.kind == "chat"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + self.prepared.public_id
         self.created = int(time.time())
@@ -89,14 +98,24 @@ class OpenAIFormatter:
             for j in range(self.n):
                 i = r * self.n + j
                 self._choices[i] = _Choice(i, echo[r] if echo else "",
-                                           tools=tool_output() if tool_output else None)
+                                           tools=tool_output() if tool_output else None,
+                                           prompt=r)
 
     # ------------------------------------------------------------------ pieces
     def usage(self) -> dict:
+        """The request's usage; prompt_tokens_details.cached_tokens: its prompts' tokens the
+        workers found cached (prefix cache or offload tiers), as the final responses said."""
         prompt = sum(r.num_prompt_tokens for r in self.requests)
         done = sum(c.used for c in self._choices.values())
         return {"prompt_tokens": prompt, "completion_tokens": done,
-                "total_tokens": prompt + done}
+                "total_tokens": prompt + done,
+                "prompt_tokens_details": {"cached_tokens": sum(self._cached.values())}}
+
+    def _choice_usage(self, choice: _Choice) -> dict:
+        """A chunk's usage with continuous_usage_stats: its prompt's and its choice's so far."""
+        prompt = self.requests[choice.prompt].num_prompt_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": choice.used,
+                "total_tokens": prompt + choice.used}
 
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created,
@@ -138,24 +157,38 @@ class OpenAIFormatter:
         """The choice of a Delta, updated; the Delta's text with any echo in front."""
         choice = self._choices[prompt * self.n + delta.index]
         choice.used = delta.completion_tokens
+        choice.token_ids += delta.token_ids
+        if delta.cached_tokens is not None:
+            self._cached[prompt] = delta.cached_tokens
         if delta.finish_reason:
             choice.finish = delta.finish_reason
         text, choice.echo = choice.echo + delta.text, ""
         return choice, text
 
     # ------------------------------------------------------------------ streaming
-    def _chunk(self, choice: dict) -> dict:
+    def _chunk(self, choice: dict, of: _Choice | None = None) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         out = self._envelope(obj, [choice])
         if self.include_usage:
-            out["usage"] = None
+            out["usage"] = (self._choice_usage(of) if self.continuous_usage and of is not None
+                            else None)
         return out
 
+    def _prompt_ids(self, choice: _Choice) -> list[int]:
+        return list(self.requests[choice.prompt].prompt_token_ids)
+
     def role_chunks(self) -> list[dict]:
-        """Chat's first chunks: the assistant role with empty content, one per choice."""
-        return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""},
-                             "logprobs": None, "finish_reason": None})
-                for i in self._choices]
+        """Chat's first chunks: the assistant role with empty content, one per choice (with
+        return_token_ids each carries the prompt's ids)."""
+        out = []
+        for i, c in self._choices.items():
+            chunk = self._chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None}, c)
+            if self.token_ids:
+                chunk["prompt_token_ids"] = self._prompt_ids(c)
+                c.sent_prompt_ids = True
+            out.append(chunk)
+        return out
 
     def role_chunk(self) -> dict:
         return self.role_chunks()[0]
@@ -164,22 +197,34 @@ class OpenAIFormatter:
         """The chunks for one Delta (none when it adds neither text nor logprobs nor a finish)."""
         choice, text = self._take(delta, prompt)
         has_logprobs = self.prepared.params.logprobs and delta.logprobs
-        if not (text or has_logprobs or delta.finish_reason):
+        ids = self.token_ids and bool(delta.token_ids)     # every token id reaches the client
+        if not (text or has_logprobs or delta.finish_reason or ids):
             return []
         logprobs = self._logprobs(choice, delta) if has_logprobs or text else None
         if not self.chat:
-            return [self._chunk({"index": choice.index, "text": text, "logprobs": logprobs,
-                                 "finish_reason": delta.finish_reason})]
+            body = {"index": choice.index, "text": text, "logprobs": logprobs,
+                    "finish_reason": delta.finish_reason}
+            if self.token_ids:
+                body["token_ids"] = list(delta.token_ids)
+                if not choice.sent_prompt_ids:
+                    body["prompt_token_ids"] = self._prompt_ids(choice)
+                    choice.sent_prompt_ids = True
+            return [self._chunk(body, choice)]
         chunks = []
         pieces = ([{"content": text}] if choice.tools is None
                   else choice.tools.feed(text, final=bool(delta.finish_reason)))
-        for k, piece in enumerate(pieces or ([{"content": ""}] if has_logprobs else [])):
-            chunks.append(self._chunk({"index": choice.index, "delta": piece,
-                                       "logprobs": logprobs if k == 0 else None,
-                                       "finish_reason": None}))
+        for k, piece in enumerate(pieces or ([{"content": ""}] if has_logprobs or ids else [])):
+            body = {"index": choice.index, "delta": piece,
+                    "logprobs": logprobs if k == 0 else None, "finish_reason": None}
+            if self.token_ids:
+                body["token_ids"] = list(delta.token_ids) if k == 0 else []
+            chunks.append(self._chunk(body, choice))
         if delta.finish_reason:
-            chunks.append(self._chunk({"index": choice.index, "delta": {}, "logprobs": None,
-                                       "finish_reason": self._finish(choice)}))
+            body = {"index": choice.index, "delta": {}, "logprobs": None,
+                    "finish_reason": self._finish(choice)}
+            if self.token_ids:
+                body["token_ids"] = [] if chunks else list(delta.token_ids)
+            chunks.append(self._chunk(body, choice))
         return chunks
 
     def finished(self) -> bool:
@@ -219,12 +264,19 @@ class OpenAIFormatter:
                 message = {"role": "assistant", "content": text}
                 if choice.tools is not None:
                     message = choice.tools.message(text)
-                choices.append({"index": choice.index, "message": message,
-                                "logprobs": logprobs, "finish_reason": self._finish(choice)})
+                body = {"index": choice.index, "message": message,
+                        "logprobs": logprobs, "finish_reason": self._finish(choice)}
             else:
-                choices.append({"index": choice.index, "text": text, "logprobs": logprobs,
-                                "finish_reason": choice.finish})
+                body = {"index": choice.index, "text": text, "logprobs": logprobs,
+                        "finish_reason": choice.finish}
+                if self.token_ids:
+                    body["prompt_token_ids"] = self._prompt_ids(choice)
+            if self.token_ids:
+                body["token_ids"] = list(choice.token_ids)
+            choices.append(body)
         out = self._envelope("chat.completion" if self.chat else "text_completion", choices)
+        if self.token_ids and self.chat:
+            out["prompt_token_ids"] = list(self.prepared.prompt_token_ids)
         out["usage"] = self.usage()
         return out
 

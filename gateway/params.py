@@ -350,6 +350,28 @@ class RequestPreparer:
                 raise bad_request(f"{param}: token id {tok} is out of the vocabulary range "
                                   f"[0, {vocab})", param)
 
+    def truncated(self, ids: tuple[int, ...], keep: int | None, side: str | None
+                  ) -> tuple[int, ...]:
+        if side not in (None, "left", "right"):
+            raise bad_request(f"truncation_side must be 'left' or 'right', got {side!r}",
+                              "truncation_side")
+        if keep is None:
+            return ids
+        limit = self.served.max_model_len
+        if keep < -1:
+            raise bad_request(f"truncate_prompt_tokens must be -1 (the context length less "
+                              f"one) or at least 1, got {keep}", "truncate_prompt_tokens")
+        if keep == 0:
+            raise bad_request("truncate_prompt_tokens 0 leaves an empty prompt",
+                              "truncate_prompt_tokens")
+        if keep > limit:
+            raise bad_request(f"truncate_prompt_tokens={keep} cannot be greater than the "
+                              f"model's context length, {limit} tokens", "truncate_prompt_tokens")
+        keep = limit - 1 if keep == -1 else keep
+        if len(ids) <= keep:
+            return ids
+        return ids[:keep] if side == "right" else ids[-keep:]
+
     def _max_tokens(self, params: GenerationParams, kind: str, num_prompt: int) -> int:
         limit = self.served.max_model_len
         where = "messages" if kind == "chat" else "prompt"
@@ -372,15 +394,19 @@ class RequestPreparer:
 
     def prepare(self, prompt: Prompt, params: GenerationParams, model: str | None = None,
                 request_id: str | None = None, client_request_id: str = "",
-                cache_salt: str | None = None) -> PreparedRequest:
+                cache_salt: str | None = None, truncate_prompt_tokens: int | None = None,
+                truncation_side: str | None = None) -> PreparedRequest:
         """`params` as a front door made them (`GenerationParams.from_client`); `request_id`:
         the gateway's id for the request (default: a fresh one); a client's own id is only
-        `client_request_id`, so two clients can never collide on a worker."""
+        `client_request_id`, so two clients can never collide on a worker.
+        `truncate_prompt_tokens` (vLLM's): keep that many prompt tokens (-1: the context
+        length less one), the last ones (`truncation_side` "left", the default) or the first
+        ("right"); chat prompts are cut after the template."""
         self.check_model(model)
         if len(client_request_id) > MAX_REQUEST_ID:
             raise bad_request(f"request_id must be at most {MAX_REQUEST_ID} characters",
                               "request_id")
-        ids = self.prompt_ids(prompt)
+        ids = self.truncated(self.prompt_ids(prompt), truncate_prompt_tokens, truncation_side)
         max_tokens = self._max_tokens(params, prompt.kind, len(ids))
         if params.min_tokens > max_tokens:
             raise bad_request(f"min_tokens ({params.min_tokens}) must not exceed the output's "

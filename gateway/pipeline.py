@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -318,6 +319,8 @@ class Pipeline:
                     raise GatewayError(f"the decode worker ended the output with "
                                        f"{tb.finish_reason!r}", status=500, code="worker_error")
                 delta = choices.states[tb.index].consume(tb)
+                if local and tb.num_cached_tokens:
+                    choices.cached_tokens = tb.num_cached_tokens
                 if want and tb.finish_reason and tb.HasField("timing"):
                     found["decode"] = tb.timing
                 if delta.finish_reason:
@@ -329,7 +332,9 @@ class Pipeline:
                 if len(choices.done) == choices.n:
                     if want:
                         _keep_timing(trace, prefill, found)
-                    yield delta
+                    if not local:
+                        choices.cached_tokens = _prefill_cached(prefill)
+                    yield dataclasses.replace(delta, cached_tokens=choices.cached_tokens)
                     return
                 yield delta
         except GatewayError as exc:
@@ -482,6 +487,13 @@ async def _read_unless_failed(call, prefill: asyncio.Task):
         return await read
     finally:
         _discard(read)
+
+
+def _prefill_cached(prefill: asyncio.Task | None) -> int:
+    """The prompt tokens the prefill worker found cached (0 when its reply is not there)."""
+    if prefill is None or not prefill.done() or prefill.cancelled() or prefill.exception():
+        return 0
+    return prefill.result().num_cached_tokens
 
 
 def _discard(task: asyncio.Future | None) -> None:

@@ -138,6 +138,7 @@ _TOOL_CHOICE = {"anyOf": [
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False     # with include_usage: every chunk has its usage
 
 
 class NvExt(_Strict):
@@ -321,10 +322,18 @@ class _CommonRequest(RequestBody):
         {"type": "array", "items": _TEXT, "minItems": 1, "maxItems": MAX_CHOICES}, _NULL])
     guided_grammar: str | None = _bounded(minLength=1, maxLength=MAX_STRUCTURED_CHARS)
     nvext: NvExt | None = None
+    return_token_ids: bool = False
+    truncate_prompt_tokens: Integer | None = _bounded(minimum=-1)
+    truncation_side: Literal["left", "right"] | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every chunk carries its choice's usage so far (vLLM: needs include_usage too)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     def nvext_fields(self) -> tuple[str, ...]:
         """What the response's nvext object carries (checked: a 400 naming an unknown one)."""

@@ -107,8 +107,11 @@ def test_rest_completion_and_chat_equal_hf(hf, http):
     body = r.json()
     ref = hf_greedy(hf, prompt_ids(hf, plain=PLAIN[1]), 32)
     assert body["choices"][0]["text"] == tok.decode(ref, skip_special_tokens=True)
+    cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert body["usage"] == {"prompt_tokens": len(prompt_ids(hf, plain=PLAIN[1])),
-                             "completion_tokens": 32, "total_tokens": body["usage"]["total_tokens"]}
+                             "completion_tokens": 32, "total_tokens": body["usage"]["total_tokens"],
+                             "prompt_tokens_details": {"cached_tokens": cached}}
+    assert 0 <= cached < body["usage"]["prompt_tokens"] and cached % 16 == 0
     r = http.post("/v1/chat/completions", json={"model": "SmolLM2-135M-Instruct",
                                                 "messages": CHATS[1], "max_tokens": 32,
                                                 "temperature": 0})

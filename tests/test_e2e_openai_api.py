@@ -291,3 +291,101 @@ def test_grpc_generate_takes_the_same_fields(stack):
                 usage = r.usage
         assert set(texts) == {0, 1} and all(t in ("alpha", "beta") for t in texts.values())
         assert usage is not None and usage.completion_tokens >= 2
+
+
+LONG_PROMPT = "The history of the lighthouse keepers on the northern coast, told slowly: " * 6
+
+
+def test_return_token_ids_gives_the_prompts_and_the_outputs_ids(http, model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0,
+            "return_token_ids": True}
+    full = http.post("/v1/completions", json=body).json()
+    (c,) = full["choices"]
+    assert c["prompt_token_ids"] == tok("Once upon a time")["input_ids"]
+    assert len(c["token_ids"]) == 6 and tok.decode(c["token_ids"]) == c["text"]
+    with http.stream("POST", "/v1/completions", json=dict(body, stream=True)) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == c["prompt_token_ids"]
+    assert not any("prompt_token_ids" in k["choices"][0] for k in chunks[1:])
+    assert [t for k in chunks for t in k["choices"][0]["token_ids"]] == c["token_ids"]
+    chat = http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": ASK, "max_tokens": 5, "temperature": 0,
+        "return_token_ids": True}).json()
+    assert chat["prompt_token_ids"] == tok.apply_chat_template(
+        ASK, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert tok.decode(chat["choices"][0]["token_ids"]) == chat["choices"][0]["message"]["content"]
+    plain = http.post("/v1/completions", json=dict(body, return_token_ids=False)).json()
+    assert "token_ids" not in plain["choices"][0]
+
+
+def test_truncate_prompt_tokens_keeps_the_last_or_the_first_tokens(http, model_dir):
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model_dir)(LONG_PROMPT)["input_ids"]
+    body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 4, "temperature": 0,
+            "return_token_ids": True}
+    left = http.post("/v1/completions", json=dict(body, truncate_prompt_tokens=10)).json()
+    assert left["usage"]["prompt_tokens"] == 10
+    assert left["choices"][0]["prompt_token_ids"] == ids[-10:]
+    right = http.post("/v1/completions", json=dict(body, truncate_prompt_tokens=10,
+                                                  truncation_side="right")).json()
+    assert right["choices"][0]["prompt_token_ids"] == ids[:10]
+    as_ids = http.post("/v1/completions", json=dict(body, prompt=ids[-10:])).json()
+    assert as_ids["choices"][0]["token_ids"] == left["choices"][0]["token_ids"]
+    whole = http.post("/v1/completions", json=dict(body, truncate_prompt_tokens=-1)).json()
+    assert whole["usage"]["prompt_tokens"] == len(ids)
+    for bad, says in ((0, "empty prompt"), (-2, "at least 1"), (10 ** 6, "context length")):
+        r = http.post("/v1/completions", json=dict(body, truncate_prompt_tokens=bad))
+        assert r.status_code == 400 and says in r.json()["error"]["message"], r.text
+    r = http.post("/v1/completions", json=dict(body, truncation_side="middle"))
+    assert r.status_code == 400
+    chat = http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": ASK, "max_tokens": 2, "truncate_prompt_tokens": 5}).json()
+    assert chat["usage"]["prompt_tokens"] == 5
+
+
+def test_continuous_usage_stats_and_cached_tokens(http):
+    body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 5, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True,
+                                               "continuous_usage_stats": True}}
+    first = http.post("/v1/completions", json=dict(body, stream=False, stream_options=None))
+    prompt = first.json()["usage"]["prompt_tokens"]
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    content, final = chunks[:-1], chunks[-1]
+    counts = [k["usage"]["completion_tokens"] for k in content]
+    assert counts == sorted(counts) and counts[-1] == 5 and counts[0] >= 1
+    assert all(k["usage"]["prompt_tokens"] == prompt and k["usage"]["total_tokens"] ==
+               prompt + k["usage"]["completion_tokens"] for k in content)
+    # the same prompt again: blocks of it were cached by the first request (16-token blocks)
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 5
+    cached = final["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < prompt and cached % 16 == 0
+    with http.stream("POST", "/v1/completions", json=dict(body, stream_options={
+            "include_usage": True})) as r:
+        plain = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert all(k["usage"] is None for k in plain[:-1])
+
+
+def test_grpc_truncates_and_returns_prompt_ids_and_cached_tokens(stack):
+    with grpc.insecure_channel(stack.procs[-1].address) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        req = pb.GenerateRequest(text=LONG_PROMPT, params=pb.SamplingParams(max_tokens=3),
+                                 truncate_prompt_tokens=40, truncation_side="right",
+                                 return_prompt_token_ids=True, continuous_usage=True)
+        out = list(stub.Generate(req, timeout=120))
+        assert len(out[0].prompt_token_ids) == 40
+        assert not any(r.prompt_token_ids for r in out[1:])
+        counts = [r.usage.completion_tokens for r in out]     # speculation: several at once
+        assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 3
+        assert out[-1].usage.prompt_tokens == 40 and out[-1].usage.cached_tokens >= 0
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(pb.GenerateRequest(text="hi", truncate_prompt_tokens=0,
+                                                  params=pb.SamplingParams(max_tokens=2)),
+                               timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
