@@ -75,11 +75,13 @@ def _structured(p: pdserve_pb2.SamplingParams) -> Structured | None:
     which = p.structured.WhichOneof("kind")
     if which is None:
         return None
+    compact = p.structured.compact_json
     if which == "json_object":
-        return Structured("json_object")
+        return Structured("json_object", compact=compact)
     if which == "choice":
         return Structured("choice", tuple(p.structured.choice.choices))
-    return Structured(which, getattr(p.structured, which))
+    return Structured(which, getattr(p.structured, which),
+                      compact=compact and which == "json_schema")
 
 
 def _response(prepared: PreparedRequest, delta: Delta, text: str, used: dict[int, int],

@@ -65,14 +65,16 @@ class Structured:
 
     kind: str
     value: str | tuple[str, ...] = ""
+    compact: bool = False      # JSON kinds: one line (disable_any_whitespace)
 
     def to_proto(self) -> pdserve_pb2.StructuredOutput:
         if self.kind == "json_object":
-            return pdserve_pb2.StructuredOutput(json_object=True)
+            return pdserve_pb2.StructuredOutput(json_object=True, compact_json=self.compact)
         if self.kind == "choice":
             return pdserve_pb2.StructuredOutput(
                 choice=pdserve_pb2.ChoiceList(choices=list(self.value)))
-        return pdserve_pb2.StructuredOutput(**{self.kind: self.value})
+        return pdserve_pb2.StructuredOutput(**{self.kind: self.value},
+                                            compact_json=self.compact)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ know (the vocabulary, the context left, best_of = n).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Annotated, Any, Literal, Union
 
@@ -234,6 +235,8 @@ class StructuredOutputs(_Strict):
         {"type": "array", "items": _TEXT, "minItems": 1, "maxItems": MAX_CHOICES}, _NULL])
     grammar: str | None = _bounded(minLength=1, maxLength=MAX_STRUCTURED_CHARS)
     json_object: bool | None = None
+    # vLLM's: JSON on one line, no whitespace but ", " and ": " (default: the model's, bounded)
+    disable_any_whitespace: bool = False
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True,
                               alias_generator=lambda name: "json" if name == "json_" else name,
@@ -241,12 +244,21 @@ class StructuredOutputs(_Strict):
                                   {"properties": {k: _NOT_NULL}, "required": [k]}
                                   for k in ("json", "regex", "choice", "grammar")] + [
                                   {"properties": {"json_object": {"const": True}},
-                                   "required": ["json_object"]}]})
+                                   "required": ["json_object"]},
+                                  # or only the option, for response_format's JSON
+                                  {"required": ["disable_any_whitespace"],
+                                   "properties": {"disable_any_whitespace": {"const": True}},
+                                   "not": {"anyOf": [{"required": [k]} for k in (
+                                       "json", "regex", "choice", "grammar", "json_object")]}}]})
 
-    def to_structured(self) -> Structured:
+    def to_structured(self) -> Structured | None:
+        """The constraint; None when only disable_any_whitespace is set (it then applies to
+        response_format's or guided_json's JSON)."""
         given = {k: v for k, v in (("json_schema", self.json_), ("regex", self.regex),
                                    ("choice", self.choice), ("grammar", self.grammar),
                                    ("json_object", self.json_object or None)) if v is not None}
+        if not given and self.disable_any_whitespace:
+            return None
         if len(given) != 1:
             raise bad_request("structured_outputs takes exactly one of json, regex, choice, "
                               f"grammar, json_object; got {len(given)}", "structured_outputs")
@@ -356,8 +368,9 @@ class _CommonRequest(RequestBody):
             st = self.response_format.to_structured()
             if st is not None:
                 forms.append(("response_format", st))
-        if self.structured_outputs is not None:
-            forms.append(("structured_outputs", self.structured_outputs.to_structured()))
+        so = self.structured_outputs
+        if so is not None and so.to_structured() is not None:
+            forms.append(("structured_outputs", so.to_structured()))
         guided = {"guided_json": self.guided_json, "guided_regex": self.guided_regex,
                   "guided_choice": self.guided_choice, "guided_grammar": self.guided_grammar}
         for name, value in guided.items():
@@ -374,7 +387,14 @@ class _CommonRequest(RequestBody):
         if len(forms) > 1:
             raise bad_request(f"give one output constraint, not {len(forms)} ("
                               f"{', '.join(n for n, _ in forms)})", forms[1][0])
-        return forms[0][1] if forms else None
+        st = forms[0][1] if forms else None
+        if so is not None and so.disable_any_whitespace:
+            if st is None or st.kind not in ("json_schema", "json_object"):
+                raise bad_request("structured_outputs.disable_any_whitespace applies to JSON "
+                                  "outputs (a JSON schema or json_object)",
+                                  "structured_outputs.disable_any_whitespace")
+            st = dataclasses.replace(st, compact=True)
+        return st
 
     def _stop(self) -> tuple[str, ...]:
         if self.stop is None:

@@ -192,8 +192,8 @@ def _add_up(sub) -> None:
 MODEL_ACTIONS = ("pdserve.modelfetch", "pdserve.quantize")
 TOOLS = ("pdserve.bench.runner", "pdserve.bench.kvbench", "pdserve.bench.linearbench",
          "pdserve.bench.stepbench", "pdserve.bench.agreebench", "pdserve.bench.grammarbench",
-         "pdserve.bench.choicebench", "pdserve.chaos", "pdserve.deploy_secrets",
-         "pdserve.baseline", "pdserve.traces")
+         "pdserve.bench.choicebench", "pdserve.bench.jsonbench", "pdserve.chaos",
+         "pdserve.deploy_secrets", "pdserve.baseline", "pdserve.traces")
 
 
 def _register(sub, modules: tuple[str, ...]) -> None:

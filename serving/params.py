@@ -19,10 +19,11 @@ def structured_from_pb(p: pb.StructuredOutput) -> StructuredSpec | None:
     if which is None:
         return None
     if which == "json_object":
-        return StructuredSpec("json_object")
+        return StructuredSpec("json_object", compact=p.compact_json)
     if which == "choice":
         return StructuredSpec("choice", json.dumps(list(p.choice.choices), ensure_ascii=False))
-    return StructuredSpec(which, getattr(p, which))
+    return StructuredSpec(which, getattr(p, which), compact=which == "json_schema" and
+                          p.compact_json)
 
 
 def sampling_from_pb(p: pb.SamplingParams) -> SamplingParams:

@@ -389,3 +389,40 @@ def test_grpc_truncates_and_returns_prompt_ids_and_cached_tokens(stack):
                                                   params=pb.SamplingParams(max_tokens=2)),
                                timeout=30))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_json_is_laid_out_as_the_model_writes_it_unless_compact_is_asked(http):
+    """The issue's case: greedy, a strict {name, age} schema, "Invent a person.": the model's
+    own layout stops; one compact line is there by disable_any_whitespace (vLLM's field)."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Invent a person."}],
+            "temperature": 0, "max_tokens": 60, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "p", "schema": schema,
+                                                       "strict": True}}}
+    free = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert free["finish_reason"] == "stop" and "\n" in free["message"]["content"]
+    assert set(json.loads(free["message"]["content"])) == {"name", "age"}
+    compact = http.post("/v1/chat/completions", json=dict(body, structured_outputs={
+        "disable_any_whitespace": True})).json()["choices"][0]
+    assert "\n" not in compact["message"]["content"]
+    assert compact["message"]["content"].startswith('{"name": ')
+    r = http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": ASK, "max_tokens": 4,
+        "structured_outputs": {"disable_any_whitespace": True}})
+    assert r.status_code == 400 and "applies to JSON outputs" in r.text
+
+
+def test_jsonbench_counts_what_finishes_and_validates(stack, tmp_path, capsys):
+    from pdserve.cli import build_parser
+
+    out = tmp_path / "rows.json"
+    args = build_parser().parse_args(["jsonbench", "--url", stack.procs[-1].http, "--cases", "2",
+                                      "--out", str(out)])
+    from pdserve.bench.jsonbench import main
+
+    assert main(args) == 0
+    rows = json.loads(out.read_text())
+    assert [r["finish"] for r in rows] == ["stop", "stop"] and all(r["valid"] for r in rows)
+    assert "finished with stop and valid: 2/2" in capsys.readouterr().out

@@ -176,7 +176,7 @@ def test_compile_each_kind(setup):
 
 def test_json_object_compact(setup):
     compiler, tok, cfg = setup
-    g = compiler.compile(StructuredSpec("json_object"))
+    g = compiler.compile(StructuredSpec("json_object", compact=True))
     text = json.dumps({"a": [1, {"b": None}], "c": "x y", "d": {"e": True}})
     m = g.matcher()
     assert m.valid_prefix(encode(tok, text) + list(cfg.eos_token_ids[:1])) == \
@@ -186,9 +186,32 @@ def test_json_object_compact(setup):
         assert g.matcher().valid_prefix(ids) < len(ids), bad
 
 
+def test_json_whitespace_is_the_models_but_bounded(setup):
+    """By default the model may lay JSON out as it learned to (newlines, indentation), up to
+    MAX_JSON_WHITESPACE characters of whitespace in a row: a run of them cannot go on."""
+    from engine.structured.grammar import MAX_JSON_WHITESPACE
+
+    compiler, tok, cfg = setup
+    for spec in (StructuredSpec("json_object"), StructuredSpec("json_schema", json.dumps({
+            "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "array",
+                                             "items": {"type": "string"}}},
+            "required": ["a", "b"]}))):
+        g = compiler.compile(spec)
+        pretty = json.dumps({"a": 1, "b": ["x", "y"]}, indent=2)
+        ids = encode(tok, pretty) + list(cfg.eos_token_ids[:1])
+        assert g.matcher().valid_prefix(ids) == len(ids), spec.kind
+        compact = json.dumps({"a": 1, "b": ["x", "y"]})
+        assert g.matcher().valid_prefix(encode(tok, compact)) == len(encode(tok, compact))
+        endless = "{" + " " * (MAX_JSON_WHITESPACE + 1)
+        ids = encode(tok, endless)
+        assert g.matcher().valid_prefix(ids) < len(ids), spec.kind
+        ok = "{" + "\n" + " " * (MAX_JSON_WHITESPACE - 1)
+        assert g.matcher().valid_prefix(encode(tok, ok)) == len(encode(tok, ok))
+
+
 def test_json_schema_walk(setup):
     compiler, tok, cfg = setup
-    spec = StructuredSpec("json_schema", json.dumps(SCHEMA))
+    spec = StructuredSpec("json_schema", json.dumps(SCHEMA), compact=True)
     for seed in range(8):
         text = walk(compiler, tok, cfg.eos_token_ids, spec, seed)
         value = json.loads(text)

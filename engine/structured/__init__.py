@@ -9,9 +9,10 @@ regex, a fixed choice or an EBNF grammar (xgrammar underneath).
     apply_bitmask(logits, bitmask.to(logits.device))         # before sampling: banned -> -inf
     matcher.accept(token)                                    # after sampling
 
-Output format: json_object / json_schema produce compact one-line JSON (", " and ": "
-separators, no other whitespace), so a model cannot loop on whitespace; properties a schema
-does not name are not generated (xgrammar's strict mode). The model's EOS ids are the
+Output format: json_object / json_schema leave the layout to the model (whitespace between
+elements, at most grammar.MAX_JSON_WHITESPACE characters in a row, so it cannot loop on
+whitespace); a spec marked compact gets one line (", " and ": ", no other whitespace);
+properties a schema does not name are not generated (xgrammar's strict mode). The model's EOS ids are the
 grammar's stop tokens: allowed once the output may end, the only choice once it must, and
 accepting one makes `terminated` true. A max_tokens cut just ends the request ("length") with
 an incomplete output. Speculative decoding: valid_prefix truncates a proposal to what the

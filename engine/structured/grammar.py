@@ -26,12 +26,16 @@ from engine.structured.spec import (GrammarError, StructuredSpec, choice_ebnf, c
                                     clean_reason, regex_newlines_escaped,
                                     schema_newlines_escaped)
 
-# JSON output format for json_object / json_schema: one line, json.dumps' default separators
-# (", " and ": "), no other whitespace. xgrammar's default (any_whitespace) lets the model
-# emit unbounded runs of spaces and newlines between tokens, which small models at temperature
-# 0 fall into and never leave; compact JSON removes that loop entirely (and is what json.dumps
-# would write). Inside strings the model may still write what it likes.
-_JSON_FORMAT = dict(any_whitespace=False)
+# JSON output format for json_object / json_schema: the whitespace the model chooses between
+# elements (newlines and indentation as it learned to write JSON), at most
+# MAX_JSON_WHITESPACE characters in a row: xgrammar's unbounded any_whitespace lets a small
+# model at temperature 0 fall into a run of spaces or newlines it never leaves, and the cap
+# ends that. A spec marked compact (the request's structured_outputs.disable_any_whitespace)
+# gets one line with json.dumps' separators (", " and ": ") and no other whitespace. Inside
+# strings the model may write what it likes either way.
+MAX_JSON_WHITESPACE = 16
+_JSON_FORMAT = dict(any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+_COMPACT_JSON = dict(any_whitespace=False)
 # xgrammar's strict mode: properties / items the schema does not name are not generated (as if
 # unevaluatedProperties / unevaluatedItems were false). The output is still valid against the
 # schema; it keeps a model from inventing fields. Applies whether the request said strict or not.
@@ -263,11 +267,11 @@ class GrammarCompiler:
         elif kind == "regex":
             value = regex_newlines_escaped(value)
         try:
+            fmt = _COMPACT_JSON if spec.compact else _JSON_FORMAT
             if kind == "json_object":
-                return self._xgr.compile_json_schema(_ANY_OBJECT, strict_mode=False,
-                                                     **_JSON_FORMAT)
+                return self._xgr.compile_json_schema(_ANY_OBJECT, strict_mode=False, **fmt)
             if kind == "json_schema":
-                return self._xgr.compile_json_schema(value, strict_mode=_STRICT, **_JSON_FORMAT)
+                return self._xgr.compile_json_schema(value, strict_mode=_STRICT, **fmt)
             if kind == "regex":
                 return self._xgr.compile_regex(value)
             return self._xgr.compile_grammar(value)          # grammar, choice

@@ -19,6 +19,7 @@ class StructuredSpec:
 
     kind: str
     value: str = ""
+    compact: bool = False     # JSON kinds: one line, no whitespace but ", " and ": "
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
