@@ -23,7 +23,7 @@ from engine.request import Request, SamplingParams
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from tests.conftest import make_engine
-from tests.stack import standard_stack, wait_idle, wait_until
+from tests.stack import standard_stack, wait_idle, wait_until, worker_stats
 from tests.waiting import wait_until_async
 
 
@@ -222,9 +222,13 @@ def test_the_gateway_bound_answers_429_with_retry_after_and_recovers(stack):
                     if line.startswith("pdserve_requests_in_flight "))
 
     threads = [threading.Thread(target=stream) for _ in range(2)]
-    for t in threads:
-        t.start()
+    threads[0].start()
     try:
+        # the second once the first runs: sent together, both could reach the decode worker's
+        # queue at once, where --max-waiting-requests 1 refuses one of them (a retryable 429)
+        wait_until(lambda: worker_stats(_decode(stack)).running >= 1, 60, "the first stream runs",
+                   interval_s=0.05)
+        threads[1].start()
         wait_until(lambda: in_flight() >= 2, 60,     # both admitted (one waits for the worker)
                    lambda: f"both streams in flight: {in_flight()}, answers: {results}",
                    interval_s=0.1)
@@ -234,7 +238,8 @@ def test_the_gateway_bound_answers_429_with_retry_after_and_recovers(stack):
     finally:
         release.set()
         for t in threads:
-            t.join(120)
+            if t.ident is not None:            # started
+                t.join(120)
     assert results == [200, 200]
     assert r.status_code == 429, r.text
     assert r.headers["retry-after"] == "1"
