@@ -214,6 +214,7 @@ class RestoreJob:
         self.batch = batch
         self.block_ids = block_ids        # all the blocks given for it (the caller's)
         self.held: list[int] = []         # the caller's: pool blocks it holds meanwhile
+        self.chunks: list[tuple[int, ...]] = []   # the caller's: each copied block's tokens
 
     def done(self) -> bool:
         return self.batch is None or self.batch.done()
