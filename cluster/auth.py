@@ -22,6 +22,7 @@ Torch-free: the gateway imports this. The token never appears in logs or error m
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import os
@@ -139,10 +140,31 @@ class _TokenInterceptor(grpc.aio.ServerInterceptor):
                        unauthenticated_message())
 
 
+_REFUSAL_DRAIN_MESSAGES = 64
+_REFUSAL_DRAIN_SECONDS = 1.0
+
+
 def refusal(kind: str, code: grpc.StatusCode, message: str):
     """A method handler of that kind (unary_unary, unary_stream, stream_unary) that ends the
     call with `code` and `message` (a server interceptor's answer instead of the servicer's)."""
     async def refuse(request, context):
+        await context.abort(code, message)
+
+    async def refuse_client_stream(requests, context):
+        # Read what the client has already sent before answering: a client write that
+        # fails because the call has ended makes grpc's asyncio client report INTERNAL in
+        # place of our status (grpc/grpc#36066). Bounded in messages and time, so a
+        # refused client cannot keep the server reading.
+        async def drain():
+            count = 0
+            async for _ in requests:
+                count += 1
+                if count >= _REFUSAL_DRAIN_MESSAGES:
+                    return
+        try:
+            await asyncio.wait_for(drain(), _REFUSAL_DRAIN_SECONDS)
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+            pass
         await context.abort(code, message)
 
     async def refuse_stream(request, context):
@@ -152,7 +174,7 @@ def refusal(kind: str, code: grpc.StatusCode, message: str):
     if kind == "unary_stream":
         return grpc.unary_stream_rpc_method_handler(refuse_stream)
     if kind == "stream_unary":
-        return grpc.stream_unary_rpc_method_handler(refuse)
+        return grpc.stream_unary_rpc_method_handler(refuse_client_stream)
     return grpc.unary_unary_rpc_method_handler(refuse)
 
 

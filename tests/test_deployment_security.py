@@ -306,3 +306,33 @@ def test_secrets_never_reach_logs_or_error_bodies(secured):
         text = p.log.read_text()
         assert TOKEN not in text and REDIS_PASSWORD not in text, p.name
     assert TOKEN not in bodies and REDIS_PASSWORD not in bodies
+
+
+def test_a_refused_client_stream_reports_its_status_every_time():
+    """A client-streaming call refused before the server reads it: the client's writes can
+    race the end of the call, and grpc's asyncio client then reports INTERNAL
+    (grpc/grpc#36066). The refusal reads what was sent first, so 60 refusals all say
+    UNAUTHENTICATED (before that, about 5 in 100 said INTERNAL)."""
+    class Decode(pb_grpc.DecodeWorkerServicer):
+        async def PushKV(self, requests, context):
+            return pb.PushKVReply(blocks_received=len([c async for c in requests]))
+
+    async def run():
+        server = grpc.aio.server(interceptors=ClusterAuth(TOKEN).server_interceptors())
+        pb_grpc.add_DecodeWorkerServicer_to_server(Decode(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        codes = []
+        async with ClusterAuth("nope").channel(f"127.0.0.1:{port}") as ch:
+            stub = pb_grpc.DecodeWorkerStub(ch)
+            for i in range(60):
+                try:
+                    await stub.PushKV(_chunks(4 if i % 2 else 40), timeout=5)
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.aio.AioRpcError as exc:
+                    codes.append(exc.code())
+        await server.stop(0)
+        return codes
+
+    codes = asyncio.run(run())
+    assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 60, set(codes)
