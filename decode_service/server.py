@@ -17,7 +17,7 @@ from engine.async_engine import AsyncEngine
 from engine.request import RequestOutput
 from kvtransfer import TransferTarget, create_receiver
 from kvtransfer.connector import EngineSink
-from kvtransfer.wire import logprob_to_pb, target_to_pb
+from kvtransfer.wire import logprob_to_pb, prompt_logprobs_to_pb, target_to_pb
 from cluster.auth import ClusterAuth
 from cluster.metrics import WorkerMetrics
 from cluster.tracing import Tracing
@@ -40,6 +40,8 @@ def _token_batches(outs: list[RequestOutput]) -> list[pb.TokenBatch]:
             batch = batches[o.choice] = pb.TokenBatch(index=o.choice)
         batch.token_ids.extend(o.new_token_ids)
         batch.logprobs.extend(logprob_to_pb(lp) for lp in o.new_logprobs)
+        if o.prompt_logprobs is not None:
+            batch.prompt_logprobs.extend(prompt_logprobs_to_pb(o.prompt_logprobs))
         if o.finish_reason:
             batch.finish_reason = o.finish_reason
     return list(batches.values())

@@ -24,6 +24,29 @@ from engine.spec.verify import accept_greedy, verify
 from engine.step_buffers import GrammarMasks
 
 
+class PromptRows:
+    """The rows of a step whose logits give prompt logprobs: a row at prompt position p scores
+    prompt token p + 1 (the last prompt position scores the first output token: not a prompt
+    logprob). A position already scored (a recompute after preemption) is not scored again."""
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.targets: list[int] = []
+        self.top = 0
+        self.owners: list[tuple[Request, int]] = []
+
+    def add(self, req: Request, base: int, start: int, end: int) -> None:
+        """`req`'s tokens [start, end) are the step's rows base, base + 1, ..."""
+        lo = max(start, len(req.prompt_logprobs) - 1)
+        hi = min(end, req.num_prompt_tokens - 1)
+        if lo >= hi:
+            return
+        self.rows.extend(range(base + lo - start, base + hi - start))
+        self.targets.extend(req.prompt_token_ids[lo + 1:hi + 1])
+        self.top = max(self.top, req.params.prompt_logprobs)
+        self.owners.append((req, hi - lo))
+
+
 class BatchBuilder:
     """`block_table(request_id)`: the request's blocks (the KV cache manager's)."""
 
@@ -37,9 +60,12 @@ class BatchBuilder:
         each proposal's) with how each is sampled."""
         ids, tables, starts, q_lens, sample_rows, rows = [], [], [], [], [], []
         grammar_rows: list[tuple[Request, int, int]] = []    # (request, first row, proposals)
+        prompt = PromptRows()
         for s in sched.scheduled:
             req = s.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
+            if req.prompt_logprobs is not None:
+                prompt.add(req, len(ids), start, end)
             ids.extend(req.token_ids_between(start, end, with_spec=bool(s.num_spec)))
             tables.append(self.block_table(req.request_id))
             starts.append(start)
@@ -59,7 +85,19 @@ class BatchBuilder:
                 for j in range(first, first + 1 + k):      # min_tokens yields to the end
                     if req.structured_state.allows_only_end(bitmask, j):
                         rows[j] = replace(rows[j], grammar_ends=True)
-        return StepInputs(ids, BatchLayout(tables, starts, q_lens), sample_rows, rows, bitmask)
+        return StepInputs(ids, BatchLayout(tables, starts, q_lens), sample_rows, rows, bitmask,
+                          prompt.rows, prompt.targets, prompt.top, prompt.owners)
+
+    @staticmethod
+    def add_prompt_logprobs(inp: StepInputs, result: StepResult) -> None:
+        """The step's prompt logprobs onto their requests (before the scheduler's update, so
+        the first token's output carries them complete)."""
+        i = 0
+        for req, n in inp.prompt_owners:
+            k = req.params.prompt_logprobs
+            for lp in result.prompt_logprobs[i:i + n]:
+                req.prompt_logprobs.append(replace(lp, top=lp.top[:k]))
+            i += n
 
     @staticmethod
     def _rows(req: Request, num_spec: int, proposals: dict) -> list[RowSampling]:

@@ -322,7 +322,10 @@ class Engine:
                      for s in sched.scheduled)          # before update() advances them
         timed = self._timed_in(sched) if self._timed else None
         t_fwd = time.perf_counter()
-        result = self.runner.execute(self.batch.inputs(sched, self._proposals))
+        inputs = self.batch.inputs(sched, self._proposals)
+        result = self.runner.execute(inputs)
+        if inputs.prompt_owners:
+            self.batch.add_prompt_logprobs(inputs, result)
         tokens, logprobs = self.batch.tokens(sched, result, self._proposals)
         forward_s = time.perf_counter() - t_fwd
         outputs = self.scheduler.update(sched, tokens, logprobs)

@@ -22,7 +22,7 @@ order. Decode steps run eagerly there (no CUDA graphs across ranks yet).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +44,8 @@ from engine.weights import load_model, random_model
 
 log = logging.getLogger(__name__)
 
+PROMPT_LOGITS_SLICE = 128   # prompt rows whose logits [rows, vocab] are scored at a time
+
 
 @dataclass(frozen=True)
 class StepInputs:
@@ -55,6 +57,12 @@ class StepInputs:
     sample_rows: list[int]          # [S] rows of the step whose logits are sampled
     sampling: list[RowSampling]     # [S], or empty: logits only, nothing sampled
     bitmask: torch.Tensor | None = None   # [S, words] int32 grammar masks (engine.structured)
+    # prompt logprobs (engine.batch_builder.PromptRows): rows [P] of the step scored against
+    # the prompt tokens that follow them, with this many top alternatives; whose they are
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_targets: list[int] = field(default_factory=list)
+    prompt_top: int = 0
+    prompt_owners: list = field(default_factory=list)
 
 
 @dataclass
@@ -64,6 +72,7 @@ class StepResult:
     logits: torch.Tensor                    # [S, vocab] float32, on the device
     processed: torch.Tensor | None = None   # [S, vocab] after logits processing (penalties,
     #                                         bias, bans, grammar): what tokens are chosen from
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)   # [P], with ranks
 
 
 class ModelRunner:
@@ -176,7 +185,8 @@ class ModelRunner:
         return self._execute(inp)
 
     def _lead_step(self, inp: StepInputs) -> StepResult:
-        self.tp.command(("step", inp.token_ids, inp.batch, inp.sample_rows))
+        self.tp.command(("step", inp.token_ids, inp.batch, inp.sample_rows, inp.prompt_rows,
+                         inp.prompt_targets, inp.prompt_top))
         return self._execute(inp)
 
     def _tp_op(self, fn, *args):
@@ -217,10 +227,33 @@ class ModelRunner:
                 hidden = self.model(d["input_ids"][:t], d["positions"][:t], self.kv, meta)
             sel = hidden[:s] if contiguous else hidden[buf.dev["sample_rows"][:s].long()]
             logits = self.model.compute_logits(sel)                      # [S, vocab]
+            prompt = self._prompt_logprobs(hidden, inp) if inp.prompt_rows else []
             self._synced = True          # tensor parallel: the step's last collective is done
             tokens, logprobs, processed = ([], [], logits) if not inp.sampling else \
                 self.sampler.sample(logits, plan, buf.dev)
-        return StepResult(tokens, logprobs, logits, processed)
+        return StepResult(tokens, logprobs, logits, processed, prompt)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inp: StepInputs) -> list[TokenLogprob]:
+        """Each prompt row's target under the model's distribution there: logprob, rank, top
+        alternatives. The rows' logits come from this step's hidden states (no second pass),
+        a slice at a time so a long chunk never holds [rows, vocab] all at once."""
+        out: list[TokenLogprob] = []
+        k = inp.prompt_top
+        for lo in range(0, len(inp.prompt_rows), PROMPT_LOGITS_SLICE):
+            rows = inp.prompt_rows[lo:lo + PROMPT_LOGITS_SLICE]
+            idx = torch.tensor(rows, dtype=torch.long, device=hidden.device)
+            target = torch.tensor(inp.prompt_targets[lo:lo + PROMPT_LOGITS_SLICE],
+                                  dtype=torch.long, device=hidden.device)
+            lp = self.model.compute_logits(hidden[idx]).float().log_softmax(-1)
+            chosen = lp.gather(1, target[:, None])                    # [r, 1]
+            rank = (lp > chosen).sum(-1) + 1
+            top_vals, top_ids = lp.topk(k, dim=-1) if k else (None, None)
+            chosen, rank = chosen[:, 0].tolist(), rank.tolist()
+            tv = top_vals.tolist() if k else [[]] * len(rows)
+            ti = top_ids.tolist() if k else [[]] * len(rows)
+            for j, tok in enumerate(inp.prompt_targets[lo:lo + PROMPT_LOGITS_SLICE]):
+                out.append(TokenLogprob(tok, chosen[j], list(zip(ti[j], tv[j])), rank[j]))
+        return out
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy KV blocks src -> dst in every layer (forked choices), on the current stream."""
@@ -285,7 +318,8 @@ class ModelRunner:
         while True:
             op, *args = self.tp.command()
             if op == "step":
-                self._execute(StepInputs(args[0], args[1], args[2], []))
+                self._execute(StepInputs(args[0], args[1], args[2], [], prompt_rows=args[3],
+                                         prompt_targets=args[4], prompt_top=args[5]))
             elif op == "copy":
                 self._copy_blocks(args[0])
             elif op == "read":

@@ -60,6 +60,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1                           # choices of one prompt (decode workers fork them)
     structured: object | None = None     # engine.structured.StructuredSpec, or None
+    # the prompt's logprobs (None: not computed): each prompt token after the first under the
+    # model's distribution there, its rank, and this many top alternatives (0: none). Computed
+    # from the logits of the forward pass that computes the prompt, so a request asking for
+    # them does not read the prefix cache (a cached block has no logits)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         for name, allowed in (("temperature", limits.TEMPERATURE), ("top_p", limits.TOP_P),
@@ -78,6 +83,10 @@ class SamplingParams:
         if not 0 <= self.top_logprobs <= limits.MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {limits.MAX_TOP_LOGPROBS}], got "
                              f"{self.top_logprobs}")
+        if self.prompt_logprobs is not None and \
+                not 0 <= self.prompt_logprobs <= limits.MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {limits.MAX_TOP_LOGPROBS}], got "
+                             f"{self.prompt_logprobs}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got "
                              f"{self.min_tokens}")
@@ -104,7 +113,9 @@ class SamplingParams:
 class TokenLogprob:
     token_id: int
     logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
+    top: list[tuple[int, float]] = field(default_factory=list)   # best first: ranks 1, 2, ..
+    rank: int | None = None     # token_id's rank in the distribution (1: the most likely);
+    #                             set for prompt logprobs
 
 
 @dataclass
@@ -172,10 +183,15 @@ class Request:
     # compiles the grammar and sets it before the request reaches the engine)
     structured_state: object | None = None
     timeline: Timeline | None = None      # set by the worker for a traced / timed request
+    # params.prompt_logprobs set: one entry per prompt token computed so far, the first None
+    # (nothing precedes it); complete once the first output token is sampled
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id}: empty prompt")
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
         if self.output_token_ids:        # resumed: a stream moved from a worker that failed
             if self.params.n > 1:
                 raise ValueError(f"request {self.request_id}: a request of n > 1 cannot "
@@ -245,6 +261,8 @@ class RequestOutput:
     kv_ready: object | None = None
     choice: int = 0                       # which choice of an n > 1 request
     group: str = ""                       # the id whose stream gets this output ("": request_id)
+    # with the first token of a request asking for them: the prompt's logprobs (first None)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:

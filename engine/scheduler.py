@@ -169,7 +169,8 @@ class Scheduler:
         bs = self.kv.block_size
         shared = (parent.num_prompt_tokens - 1) // bs
         for i in range(1, n):
-            p = replace(parent.params, seed=choice_seed(parent.params.seed, i), n=1)
+            p = replace(parent.params, seed=choice_seed(parent.params.seed, i), n=1,
+                        prompt_logprobs=None)          # the parent's are every choice's
             child = Request(f"{parent.request_id}#{i}", parent.prompt_token_ids, p,
                             cache_salt=parent.cache_salt, choice=i, group=parent.request_id)
             if parent.structured_state is not None:          # a fresh grammar state
@@ -270,7 +271,8 @@ class Scheduler:
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[i]
             hits: list[int] | None = []
-            if req.num_computed_tokens == 0 and not self.kv.block_table(req.request_id):
+            if req.num_computed_tokens == 0 and not self.kv.block_table(req.request_id) \
+                    and req.params.prompt_logprobs is None:   # those need every prompt row
                 # at least one token is computed, so the step has logits to sample from
                 hits = self.kv.cached_prefix(req, req.num_tokens - 1)
                 if hits is None:
@@ -349,6 +351,8 @@ class Scheduler:
                 toks, lps = [toks], [lps]
             first = not req.output_token_ids
             out = self._append(req, toks, lps)
+            if first and req.prompt_logprobs is not None:
+                out.prompt_logprobs = req.prompt_logprobs
             if first and self.cfg.role == "decode":
                 self._fork(req)
             # KV is valid for the request's token and the accepted proposals only (those kept:

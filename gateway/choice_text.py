@@ -6,7 +6,7 @@ the same state, so the client sees one stream.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gateway.params import PreparedRequest
 from gateway.tokenizer import Tokenizer
@@ -20,6 +20,14 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]   # (token id, logprob), most likely first
+    rank: int | None = None              # token_id's rank (prompt logprobs)
+
+
+def gateway_logprobs(lps) -> tuple[TokenLogprob, ...]:
+    """Wire TokenLogprobs as the gateway keeps them."""
+    return tuple(TokenLogprob(lp.token_id, lp.logprob,
+                              tuple((t.token_id, t.logprob) for t in lp.top), lp.rank or None)
+                 for lp in lps)
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,9 @@ class Delta:
     completion_tokens: int          # of this choice
     index: int = 0                  # the choice (n > 1)
     cached_tokens: int | None = None   # on the request's last Delta: prompt tokens found cached
+    # on each choice's first Delta when the prompt's logprobs were computed: one per prompt
+    # token after the first
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class StopStrings:
@@ -117,10 +128,8 @@ class ChoiceText:
             finish = "stop"
         elif finish:
             text += self._stops.flush()
-        logprobs = tuple(TokenLogprob(lp.token_id, lp.logprob,
-                                      tuple((t.token_id, t.logprob) for t in lp.top))
-                         for lp in batch.logprobs)
-        return Delta(ids, text, logprobs, finish, self._count, self.index)
+        return Delta(ids, text, gateway_logprobs(batch.logprobs), finish, self._count,
+                     self.index)
 
 
 class Choices:
@@ -132,6 +141,16 @@ class Choices:
         self.states = [ChoiceText(tokenizer, prepared, i) for i in range(self.n)]
         self.done: set[int] = set()
         self.cached_tokens = 0          # of the prompt, on the worker that computed it
+        # the prompt's logprobs, once the worker that computed the prompt sent them
+        self.prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+        self._given_prompt_logprobs: set[int] = set()
+
+    def first_of_choice(self, delta: Delta) -> Delta:
+        """`delta` with the prompt's logprobs on when it is its choice's first to have them."""
+        if self.prompt_logprobs is None or delta.index in self._given_prompt_logprobs:
+            return delta
+        self._given_prompt_logprobs.add(delta.index)
+        return replace(delta, prompt_logprobs=self.prompt_logprobs)
 
     @property
     def started(self) -> bool:

@@ -65,7 +65,8 @@ def request_to_shared(request: pdserve_pb2.GenerateRequest
         stop_token_ids=tuple(p.stop_token_ids),
         include_stop_str_in_output=p.include_stop_str_in_output,
         skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else None,
-        echo=request.echo, structured=_structured(p))
+        echo=request.echo, structured=_structured(p),
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None)
     return prompt, params
 
 
@@ -98,6 +99,10 @@ def _response(prepared: PreparedRequest, delta: Delta, text: str, used: dict[int
     for lp in delta.logprobs:
         out.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
                          top=[pdserve_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+    for lp in delta.prompt_logprobs or ():
+        out.prompt_logprobs.add(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank or 0,
+                                top=[pdserve_pb2.TopLogprob(token_id=t, logprob=v)
+                                     for t, v in lp.top])
     used[delta.index] = delta.completion_tokens
     if request.continuous_usage:
         out.usage.prompt_tokens = prepared.num_prompt_tokens

@@ -40,6 +40,8 @@ class _Choice:
     prompt: int = 0                 # the prompt it belongs to
     token_ids: list[int] = field(default_factory=list)
     sent_prompt_ids: bool = False   # streaming with return_token_ids: its first chunk went out
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None   # of its prompt, once they came
+    echo_logprobs: bool = False     # completions' echo with logprobs: the prompt's go first
 
 
 class ToolOutput:
@@ -89,6 +91,7 @@ class OpenAIFormatter:
         self.token_ids = token_ids
         self.continuous_usage = continuous_usage
         self._cached: dict[int, int] = {}       # prompt -> its tokens found cached
+        self._echo_text = list(echo)
         self.chat = self.prepared.kind == "chat"
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + self.prepared.public_id
         self.created = int(time.time())
@@ -97,9 +100,10 @@ class OpenAIFormatter:
         for r in range(len(self.requests)):
             for j in range(self.n):
                 i = r * self.n + j
-                self._choices[i] = _Choice(i, echo[r] if echo else "",
-                                           tools=tool_output() if tool_output else None,
-                                           prompt=r)
+                self._choices[i] = _Choice(
+                    i, echo[r] if echo else "", tools=tool_output() if tool_output else None,
+                    prompt=r, echo_logprobs=bool(echo) and not self.chat
+                    and self.prepared.params.logprobs)
 
     # ------------------------------------------------------------------ pieces
     def usage(self) -> dict:
@@ -132,19 +136,62 @@ class OpenAIFormatter:
     def _completion_logprobs(self, choice: _Choice, delta: Delta) -> dict:
         tok = self.tokenizer
         top_n = self.prepared.params.top_logprobs
-        tokens, offsets, tops = [], [], []
+        tokens, offsets, tops, values = [], [], [], []
+        if choice.echo_logprobs and choice.prompt_logprobs is not None:
+            # echo: the prompt's tokens first, the first without a logprob (nothing precedes
+            # it), offsets from the start of the echoed text
+            choice.echo_logprobs = False
+            first = self.requests[choice.prompt].prompt_token_ids[0]
+            tokens.append(tok.token_text(first))
+            offsets.append(0)
+            values.append(None)
+            tops.append(None)
+            start = len(tokens[0])
+            for lp in choice.prompt_logprobs:
+                text = tok.token_text(lp.token_id)
+                tokens.append(text)
+                offsets.append(start)
+                start += len(text)
+                values.append(_finite(lp.logprob))
+                tops.append(self._top(lp, text, top_n))
+            choice.offset = len(self._echoed(choice))
         start, end = choice.offset, choice.offset + len(delta.text)
         for lp in delta.logprobs:
             text = tok.token_text(lp.token_id)
             tokens.append(text)
             offsets.append(min(start, end))
             start += len(text)
-            top = {tok.token_text(t): _finite(v) for t, v in lp.top[:top_n]}
-            top.setdefault(text, _finite(lp.logprob))
-            tops.append(top)
+            values.append(_finite(lp.logprob))
+            tops.append(self._top(lp, text, top_n))
         choice.offset += len(delta.text)
-        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in delta.logprobs],
-                "top_logprobs": tops, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def _top(self, lp: TokenLogprob, text: str, top_n: int) -> dict:
+        top = {self.tokenizer.token_text(t): _finite(v) for t, v in lp.top[:top_n]}
+        top.setdefault(text, _finite(lp.logprob))
+        return top
+
+    def _echoed(self, choice: _Choice) -> str:
+        return self._echo_text[choice.prompt] if self._echo_text else ""
+
+    def _prompt_logprobs(self, choice: _Choice) -> list | None:
+        """vLLM's prompt_logprobs: None for the first prompt token, then per token a dict of
+        token id -> {logprob, rank, decoded_token}: the prompt's own token, then the top
+        alternatives (None when not asked for)."""
+        k = self.prepared.params.prompt_logprobs
+        if k is None or choice.prompt_logprobs is None:
+            return None
+        tok = self.tokenizer
+        out: list = [None]
+        for lp in choice.prompt_logprobs:
+            entry = {str(lp.token_id): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                                        "decoded_token": tok.token_text(lp.token_id)}}
+            for rank, (t, v) in enumerate(lp.top[:k], start=1):
+                entry.setdefault(str(t), {"logprob": _finite(v), "rank": rank,
+                                          "decoded_token": tok.token_text(t)})
+            out.append(entry)
+        return out
 
     def _logprobs(self, choice: _Choice, delta: Delta) -> dict | None:
         if not self.prepared.params.logprobs:
@@ -160,6 +207,8 @@ class OpenAIFormatter:
         choice.token_ids += delta.token_ids
         if delta.cached_tokens is not None:
             self._cached[prompt] = delta.cached_tokens
+        if delta.prompt_logprobs is not None:
+            choice.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason:
             choice.finish = delta.finish_reason
         text, choice.echo = choice.echo + delta.text, ""
@@ -268,13 +317,16 @@ class OpenAIFormatter:
                         "logprobs": logprobs, "finish_reason": self._finish(choice)}
             else:
                 body = {"index": choice.index, "text": text, "logprobs": logprobs,
-                        "finish_reason": choice.finish}
+                        "finish_reason": choice.finish,
+                        "prompt_logprobs": self._prompt_logprobs(choice)}
                 if self.token_ids:
                     body["prompt_token_ids"] = self._prompt_ids(choice)
             if self.token_ids:
                 body["token_ids"] = list(choice.token_ids)
             choices.append(body)
         out = self._envelope("chat.completion" if self.chat else "text_completion", choices)
+        if self.chat:
+            out["prompt_logprobs"] = self._prompt_logprobs(self._choices[0])
         if self.token_ids and self.chat:
             out["prompt_token_ids"] = list(self.prepared.prompt_token_ids)
         out["usage"] = self.usage()

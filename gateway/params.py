@@ -110,6 +110,9 @@ class GenerationParams:
     skip_special_tokens: bool = True
     echo: bool = False
     structured: Structured | None = None
+    # the prompt's logprobs with this many top alternatives (None: not asked for); completions'
+    # echo with logprobs computes them too (prompt_logprobs_computed)
+    prompt_logprobs: int | None = None
     # (parameter, the request field it came from) where the two names differ:
     # max_completion_tokens, a completion's logprobs (its top_logprobs)
     aliases: tuple[tuple[str, str], ...] = ()
@@ -166,10 +169,10 @@ class GenerationParams:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise bad_request(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are supported, got "
                               f"{len(self.stop_token_ids)}", "stop_token_ids")
-        if self.echo and self.logprobs:
-            raise bad_request("echo with logprobs is not supported (it needs the prompt's "
-                              "logprobs, which pdserve does not compute); drop one of them",
-                              "echo")
+        if self.prompt_logprobs is not None and \
+                not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"prompt_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, "
+                              f"got {self.prompt_logprobs}", "prompt_logprobs")
         if self.structured is not None:
             _check_structured(self.structured)
         check_ints(self, dict(self.aliases))
@@ -182,6 +185,16 @@ class GenerationParams:
         if self.min_tokens < 0:
             raise bad_request(f"min_tokens must be >= 0, got {self.min_tokens}", "min_tokens")
 
+    @property
+    def prompt_logprobs_computed(self) -> int | None:
+        """The top alternatives the worker scores per prompt token (None: no prompt logprobs):
+        what prompt_logprobs asks for, or completions' echo with logprobs (the echoed prompt's
+        entries, as vLLM gives them)."""
+        wanted = [k for k in (self.prompt_logprobs,
+                              self.top_logprobs if self.echo and self.logprobs else None)
+                  if k is not None]
+        return max(wanted) if wanted else None
+
     def to_proto(self) -> pdserve_pb2.SamplingParams:
         """The wire form (params of a PreparedRequest: max_tokens and seed are set)."""
         msg = pdserve_pb2.SamplingParams(
@@ -193,6 +206,8 @@ class GenerationParams:
             min_tokens=self.min_tokens, stop_token_ids=list(self.stop_token_ids),
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, n=self.n)
+        if self.prompt_logprobs_computed is not None:
+            msg.prompt_logprobs = self.prompt_logprobs_computed
         if self.structured is not None:
             msg.structured.CopyFrom(self.structured.to_proto())
         return msg

@@ -37,7 +37,7 @@ import grpc
 from cluster.metrics import GatewayMetrics
 from cluster.registry import WorkerInfo
 from cluster.tracing import NO_SPAN, Span, Tracing
-from gateway.choice_text import Choices, Delta
+from gateway.choice_text import Choices, Delta, gateway_logprobs
 from gateway.errors import GatewayError
 from gateway.params import PreparedRequest
 from gateway.router import PrefillTicket, Route, Router
@@ -291,7 +291,7 @@ class Pipeline:
         opened = time.perf_counter()
         call = decode.Decode(pdserve_pb2.DecodeRequest(
             request_id=rid, prompt_token_ids=prepared.prompt_token_ids,
-            params=prepared.params.to_proto(), local_prefill=local,
+            params=_wire_params(prepared, resume), local_prefill=local,
             cache_salt=prepared.cache_salt, resume_token_ids=resume, return_timing=want),
             metadata=span.headers() or None)
         prefill: asyncio.Task | None = None
@@ -318,7 +318,13 @@ class Pipeline:
                                 rid, decode_w.id, tb.index, tb.finish_reason)
                     raise GatewayError(f"the decode worker ended the output with "
                                        f"{tb.finish_reason!r}", status=500, code="worker_error")
-                delta = choices.states[tb.index].consume(tb)
+                if choices.prompt_logprobs is None and \
+                        prepared.params.prompt_logprobs_computed is not None:
+                    # with the first token: the decode worker's (local prefill) or the
+                    # prefill worker's reply, due now that its KV and first token are here
+                    choices.prompt_logprobs = gateway_logprobs(
+                        tb.prompt_logprobs if local else (await prefill).prompt_logprobs)
+                delta = choices.first_of_choice(choices.states[tb.index].consume(tb))
                 if local and tb.num_cached_tokens:
                     choices.cached_tokens = tb.num_cached_tokens
                 if want and tb.finish_reason and tb.HasField("timing"):
@@ -392,7 +398,7 @@ class Pipeline:
         stub = pdserve_pb2_grpc.PrefillWorkerStub(self.router.channel(worker.address))
         request = pdserve_pb2.PrefillRequest(
             request_id=rid, prompt_token_ids=prepared.prompt_token_ids,
-            params=prepared.params.to_proto(), destination=reservation,
+            params=_wire_params(prepared, resume), destination=reservation,
             cache_salt=prepared.cache_salt, resume_token_ids=resume,
             return_timing=trace.want_timing)
         span = trace.span("gateway.prefill", attempt, "client",
@@ -451,6 +457,15 @@ class Pipeline:
         """After D finished on its own, let P's reply arrive (it is due) rather than abort P."""
         if prefill is not None and not prefill.done():
             await asyncio.wait({prefill}, timeout=self.config.prefill_grace_s)
+
+
+def _wire_params(prepared: PreparedRequest, resume: tuple[int, ...]) -> pdserve_pb2.SamplingParams:
+    """The request's parameters for a worker; a moved stream's prompt logprobs went out
+    already, so its new workers do not score them again."""
+    msg = prepared.params.to_proto()
+    if resume:
+        msg.ClearField("prompt_logprobs")
+    return msg
 
 
 def _note(trace: RequestTrace, delta: Delta) -> None:

@@ -335,6 +335,7 @@ class _CommonRequest(RequestBody):
     guided_grammar: str | None = _bounded(minLength=1, maxLength=MAX_STRUCTURED_CHARS)
     nvext: NvExt | None = None
     return_token_ids: bool = False
+    prompt_logprobs: Integer | None = _bounded(minimum=0, maximum=MAX_TOP_LOGPROBS)
     truncate_prompt_tokens: Integer | None = _bounded(minimum=-1)
     truncation_side: Literal["left", "right"] | None = None
 
@@ -361,6 +362,9 @@ class _CommonRequest(RequestBody):
                               f"{self.best_of} with n={self.n or 1}", "best_of")
         if self.use_beam_search:
             raise bad_request("beam search is not supported", "use_beam_search")
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request("prompt_logprobs is not available with stream=true (as in vLLM); "
+                              "ask without streaming", "prompt_logprobs")
 
     def _structured(self) -> Structured | None:
         forms = []
@@ -416,7 +420,7 @@ class _CommonRequest(RequestBody):
             stop_token_ids=tuple(self.stop_token_ids or ()),
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, echo=echo, structured=structured,
-            aliases=aliases)
+            prompt_logprobs=self.prompt_logprobs, aliases=aliases)
 
 
 class CompletionRequest(_CommonRequest):
@@ -424,9 +428,7 @@ class CompletionRequest(_CommonRequest):
     `prompt` may be a list of prompts (strings or token lists): one choice per prompt (n each)."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": [
-        _STREAM_OPTIONS_RULE,
-        _requires({"logprobs": {"type": "integer"}}, {"echo": {"enum": [False, None]}},
-                  given=False)]})
+        _STREAM_OPTIONS_RULE]})
 
     prompt: Union[str, list[TokenId], list[str], list[list[TokenId]]] = _shaped(..., anyOf=[
         _TEXT, _ids(minItems=1), {"type": "array", "items": _TEXT, "minItems": 1},

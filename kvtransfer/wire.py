@@ -26,11 +26,18 @@ def layout_from_pb(m: pb.KVLayout) -> KVLayout:
 
 def logprob_to_pb(lp: TokenLogprob) -> pb.TokenLogprob:
     return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                           top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+                           top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+                           rank=lp.rank or 0)
 
 
 def logprob_from_pb(m: pb.TokenLogprob) -> TokenLogprob:
-    return TokenLogprob(m.token_id, m.logprob, [(t.token_id, t.logprob) for t in m.top])
+    return TokenLogprob(m.token_id, m.logprob, [(t.token_id, t.logprob) for t in m.top],
+                        m.rank or None)
+
+
+def prompt_logprobs_to_pb(lps) -> list[pb.TokenLogprob]:
+    """A request's prompt logprobs (engine: first None) as the wire carries them: the rest."""
+    return [logprob_to_pb(lp) for lp in lps[1:]]
 
 
 def target_to_pb(t: TransferTarget) -> pb.KVDescriptor:

@@ -21,7 +21,7 @@ import grpc
 from engine.async_engine import AsyncEngine
 from kvtransfer import (KVTransferError, LayoutMismatch, block_bytes, check_layout,
                         create_sender)
-from kvtransfer.wire import target_from_pb
+from kvtransfer.wire import prompt_logprobs_to_pb, target_from_pb
 from cluster.auth import ClusterAuth
 from cluster.metrics import WorkerMetrics
 from cluster.tracing import Tracing
@@ -155,7 +155,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                                num_prompt_tokens=req.num_prompt_tokens,
                                compute_seconds=t1 - t0, transfer_seconds=t2 - t1,
                                num_cached_tokens=req.num_cached_tokens,
-                               num_blocks_sent=moved)
+                               num_blocks_sent=moved,
+                               prompt_logprobs=prompt_logprobs_to_pb(out.prompt_logprobs)
+                               if out.prompt_logprobs is not None else ())
 
     async def _send_chunks(self, rid: str, queue, stream, target, context):
         """Each chunk's blocks go while the next chunk computes, until the output that finishes

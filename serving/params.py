@@ -39,7 +39,9 @@ def sampling_from_pb(p: pb.SamplingParams) -> SamplingParams:
                           logit_bias=tuple(sorted(p.logit_bias.items())),
                           min_tokens=p.min_tokens, stop_token_ids=tuple(p.stop_token_ids),
                           n=p.n or 1, structured=structured_from_pb(p.structured)
-                          if p.HasField("structured") else None)
+                          if p.HasField("structured") else None,
+                          prompt_logprobs=p.prompt_logprobs
+                          if p.HasField("prompt_logprobs") else None)
 
 
 def request_from_pb(rid: str, msg: pb.DecodeRequest | pb.PrefillRequest) -> Request:

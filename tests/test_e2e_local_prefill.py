@@ -42,3 +42,26 @@ def test_local_prefill_matches_hf_and_skips_the_prefill_worker(stack, hf):
     assert 'pdserve_routing_decisions_total{prefill="decode-local"} 3.0' in gateway
     assert metric(decode.metrics, "pdserve_kv_blocks_free") == metric(
         decode.metrics, "pdserve_kv_blocks_total")
+
+
+def test_prompt_logprobs_of_a_prompt_computed_on_the_decode_worker(stack, hf):
+    """The decode worker computed the prompt: it scores it too (the first TokenBatch carries
+    them), on REST and on gRPC (GenerateResponse.prompt_logprobs on the choice's first)."""
+    from tests.test_e2e_openai_api import check_prompt_logprobs
+
+    prompt = "One, two, three, four, five, six"
+    ids = prompt_ids(hf, plain=prompt)
+    body = httpx.post(stack.procs[-1].http + "/v1/completions", timeout=120, json={
+        "prompt": prompt, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}).json()
+    check_prompt_logprobs(hf, ids, body["choices"][0]["prompt_logprobs"], 2)
+    with grpc.insecure_channel(stack.procs[-1].address) as ch:
+        first = next(iter(pb_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
+            text=prompt, params=pb.SamplingParams(temperature=0.0, max_tokens=2,
+                                                  prompt_logprobs=2)), timeout=120)))
+    assert [lp.token_id for lp in first.prompt_logprobs] == ids[1:]
+    rest = body["choices"][0]["prompt_logprobs"][1:]
+    for lp, entry in zip(first.prompt_logprobs, rest):
+        assert abs(lp.logprob - entry[str(lp.token_id)]["logprob"]) < 1e-4
+        assert lp.rank == entry[str(lp.token_id)]["rank"] and len(lp.top) == 2
+    prefill = next(p for p in stack.procs if p.name == "prefill")
+    assert metric(prefill.metrics, "pdserve_prompt_tokens_computed_total") == 0

@@ -426,3 +426,102 @@ def test_jsonbench_counts_what_finishes_and_validates(stack, tmp_path, capsys):
     rows = json.loads(out.read_text())
     assert [r["finish"] for r in rows] == ["stop", "stop"] and all(r["valid"] for r in rows)
     assert "finished with stop and valid: 2/2" in capsys.readouterr().out
+
+
+def hf_prompt_logprobs(hf, ids: list[int]):
+    """HF's log-softmax over the prompt's positions [len(ids), vocab] (fp32)."""
+    import torch
+
+    with torch.no_grad():
+        return hf[1](torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+def check_prompt_logprobs(hf, ids: list[int], entries: list, k: int) -> None:
+    """vLLM's prompt_logprobs shape (None, then per token a dict of token id -> {logprob, rank,
+    decoded_token}: the prompt's own token and the k best) with HF's values, to rounding."""
+    ref = hf_prompt_logprobs(hf, ids)
+    assert len(entries) == len(ids) and entries[0] is None
+    for i, entry in enumerate(entries[1:], start=1):
+        row, own = ref[i - 1], ids[i]
+        assert str(own) in entry, (i, entry)
+        top = row.topk(k).indices.tolist() if k else []
+        assert set(entry) == {str(own), *map(str, top)}, (i, entry, top)
+        for tid, e in entry.items():
+            assert abs(e["logprob"] - float(row[int(tid)])) < 1e-3, (i, tid, e)
+            # ranks count the strictly better tokens; values within rounding may swap
+            better = int((row > row[int(tid)] + 1e-4).sum()) + 1
+            close = int((row > row[int(tid)] - 1e-4).sum())
+            assert better <= e["rank"] <= close, (i, tid, e, better, close)
+            assert isinstance(e["decoded_token"], str)
+
+
+def test_prompt_logprobs_match_hf_and_skip_the_prefix_cache(http, stack, model_dir):
+    """prompt_logprobs on both endpoints: computed on the prefill worker from the prompt's own
+    forward pass, vLLM's shape, HF's values; a repeat of the prompt (its blocks in the prefix
+    cache now) scores every position again, reading nothing from the cache, as vLLM does."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch
+
+    hf = (AutoTokenizer.from_pretrained(model_dir),
+          AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval())
+    prompt = "The capital of France is Paris. The capital of Spain is Madrid. The capital of"
+    ids = hf[0](prompt).input_ids
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0,
+            "prompt_logprobs": 3}
+    first = http.post("/v1/completions", json=body).json()
+    check_prompt_logprobs(hf, ids, first["choices"][0]["prompt_logprobs"], 3)
+    again = http.post("/v1/completions", json={**body, "n": 2}).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    for c in again["choices"]:                    # every choice of the prompt carries them
+        assert c["prompt_logprobs"] == first["choices"][0]["prompt_logprobs"]
+    zero = http.post("/v1/completions", json={**body, "prompt_logprobs": 0}).json()
+    check_prompt_logprobs(hf, ids, zero["choices"][0]["prompt_logprobs"], 0)
+    assert http.post("/v1/completions", json={k: v for k, v in body.items()
+                                              if k != "prompt_logprobs"}
+                     ).json()["choices"][0]["prompt_logprobs"] is None
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    chat = http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": msgs, "max_tokens": 2, "temperature": 0,
+        "prompt_logprobs": 1}).json()
+    check_prompt_logprobs(hf, hf[0].apply_chat_template(msgs, add_generation_prompt=True,
+                                                        tokenize=True, return_dict=False),
+                          chat["prompt_logprobs"], 1)
+    assert chat["choices"][0]["message"]["content"]
+
+
+def test_echo_with_logprobs_puts_the_prompt_first(client, http, model_dir):
+    """echo + logprobs on /v1/completions, as vLLM answers it: the prompt's tokens lead the
+    logprobs (the first with None), offsets run over the echoed text, streamed and not."""
+    from gateway.tokenizer import Tokenizer
+
+    tok = Tokenizer(model_dir)
+    prompt = "Roses are red, violets are"
+    ids = tok.encode(prompt)
+    base = dict(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=2)
+    full = client.completions.create(**base, echo=True).choices[0]
+    plain = client.completions.create(**base).choices[0]
+    assert full.text == prompt + plain.text
+    lp = full.logprobs
+    n = len(ids) + len(plain.logprobs.tokens)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) \
+        == len(lp.text_offset) == n
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert all(1 <= len(t) <= 3 for t in lp.top_logprobs[1:])
+    assert lp.tokens[len(ids):] == plain.logprobs.tokens
+    assert lp.token_logprobs[len(ids):] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-4)
+    assert "".join(lp.tokens[:len(ids)]) == prompt
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert lp.text_offset[len(ids)] == len(prompt)
+    detail = http.post("/v1/completions", json={**base, "echo": True,
+                                                "prompt_logprobs": 2}).json()["choices"][0]
+    own = [e[str(t)]["logprob"] for e, t in zip(detail["prompt_logprobs"][1:], ids[1:])]
+    assert own == pytest.approx(lp.token_logprobs[1:len(ids)], abs=1e-4)
+    tokens, values = [], []
+    for chunk in client.completions.create(**base, echo=True, stream=True):
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                values += c.logprobs.token_logprobs
+    assert tokens == lp.tokens and values[0] is None
+    assert values[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)

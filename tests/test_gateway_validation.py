@@ -90,7 +90,9 @@ BAD_COMPLETIONS = [
     (dict(logit_bias={"49152": 1}), "logit_bias", "out of the vocabulary"),
     (dict(logit_bias={"5": 101}), "logit_bias", "[-100, 100]"),
     (dict(stop_token_ids=[49152]), "stop_token_ids", "out of the vocabulary"),
-    (dict(echo=True, logprobs=2), "echo", "echo with logprobs"),
+    (dict(prompt_logprobs=-1), "prompt_logprobs", "between 0 and 20"),
+    (dict(prompt_logprobs=21), "prompt_logprobs", "between 0 and 20"),
+    (dict(prompt_logprobs=1, stream=True), "prompt_logprobs", "not available with stream"),
     (dict(stream_options={"include_usage": True}), "stream_options", "only allowed when stream"),
     (dict(structured_outputs={"regex": "a+", "choice": ["a"]}), "structured_outputs",
      "exactly one"),
@@ -120,6 +122,8 @@ def test_bad_completion_requests(client, fields, param, contains):
 
 BAD_CHATS = [
     (dict(messages=[]), "messages", "must not be empty"),
+    (dict(prompt_logprobs=-1), "prompt_logprobs", "between 0 and 20"),
+    (dict(prompt_logprobs=2, stream=True), "prompt_logprobs", "not available with stream"),
     (dict(messages=[{"role": "user", "content": "x", "x": 1}]), "messages.0.x", "unrecognized"),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}]),
      "messages[0].content[0].type", "text only"),
@@ -369,6 +373,10 @@ def _int_cases() -> list[tuple[str, str, object, str]]:
          "stop_token_ids"),
         ("/v1/completions", "n", lambda v: {"prompt": "Hi", "n": v}, "n"),
         ("/v1/chat/completions", "n", lambda v: {**chat, "n": v, "best_of": v}, "n"),
+        ("/v1/completions", "prompt_logprobs", lambda v: {"prompt": "Hi", "prompt_logprobs": v},
+         "prompt_logprobs"),
+        ("/v1/chat/completions", "prompt_logprobs",
+         lambda v: {**chat, "prompt_logprobs": v}, "prompt_logprobs"),
     ]
 
 
