@@ -179,6 +179,11 @@ class Engine:
         # (without a share bound, choices that do not fit together take turns)
         shared = req.num_prompt_tokens // self.cfg.block_size
         whole = need + (req.params.n - 1) * (need - shared)
+        if req.params.beam_width and whole > self.pool.num_blocks:
+            raise ValueError(f"request {req.request_id}: a beam search of width "
+                             f"{req.params.beam_width} may need {whole} KV blocks at once (its "
+                             f"beams cannot take turns); the pool has {self.pool.num_blocks}: "
+                             "lower max_tokens or n")
         cap = int(self.cfg.max_request_kv_share * self.pool.num_blocks)
         if self.cfg.max_request_kv_share < 1 and whole > cap:
             raise ValueError(f"request {req.request_id} may need {whole} KV blocks "
@@ -425,7 +430,8 @@ class Engine:
     def _propose(self) -> None:
         """Proposals for the running sequences that decode this step (req.spec_token_ids)."""
         reqs = [r for r in self.scheduler.running
-                if r.status is Status.RUNNING and r.num_tokens - r.num_computed_tokens == 1]
+                if r.status is Status.RUNNING and r.num_tokens - r.num_computed_tokens == 1
+                and not r.params.beam_width]      # a beam's next token is the group's choice
         if not reqs:
             return
         k = self.cfg.num_speculative_tokens

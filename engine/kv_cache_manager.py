@@ -115,6 +115,15 @@ class KVCacheManager:
         self._copies.append((src, new))
         return src, new
 
+    def share(self, parent_id: str, child_id: str, num_blocks: int) -> None:
+        """A table for `child_id` of the parent's first `num_blocks` blocks, shared (one more
+        reference each): a fork at a block boundary, where nothing needs copying."""
+        if child_id in self._tables:
+            raise RuntimeError(f"request {child_id} already has blocks")
+        shared = self._tables[parent_id][:num_blocks]
+        self.pool.take(shared)
+        self._tables[child_id] = list(shared)
+
     @property
     def pending_copies(self) -> list[tuple[int, int]]:
         """(src, dst) block pairs of forks still to be copied."""

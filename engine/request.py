@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 import engine.sampling_limits as limits
@@ -65,6 +66,12 @@ class SamplingParams:
     # from the logits of the forward pass that computes the prompt, so a request asking for
     # them does not read the prefix cache (a cached block has no logits)
     prompt_logprobs: int | None = None
+    # beam search of this width (0: none; engine.beam_search): n is the width, and the request's
+    # choices are the best finished beams; scored by cumulative logprob / length **
+    # length_penalty, stopped as early_stopping says (False, True or "never", HF's)
+    beam_width: int = 0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         for name, allowed in (("temperature", limits.TEMPERATURE), ("top_p", limits.TOP_P),
@@ -87,6 +94,18 @@ class SamplingParams:
                 not 0 <= self.prompt_logprobs <= limits.MAX_TOP_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be in [0, {limits.MAX_TOP_LOGPROBS}], got "
                              f"{self.prompt_logprobs}")
+        if self.beam_width:
+            if self.beam_width != self.n:
+                raise ValueError(f"beam search: n is the beam width, got n={self.n} and "
+                                 f"beam_width={self.beam_width}")
+            if not math.isfinite(self.length_penalty):
+                raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")
+            if self.early_stopping not in (False, True, "never"):
+                raise ValueError(f"early_stopping must be true, false or 'never', got "
+                                 f"{self.early_stopping!r}")
+            if self.structured is not None or self.processed or not self.greedy:
+                raise ValueError("beam search ranks the raw logprobs: no temperature, "
+                                 "penalties, logit_bias, min_tokens or structured output")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got "
                              f"{self.min_tokens}")
@@ -96,6 +115,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """The sampled rows report logprobs: asked for, or the candidates of a beam search."""
+        return self.logprobs or self.beam_width > 0
+
+    @property
+    def num_top_logprobs(self) -> int:
+        """Alternatives a sampled row reports: top_logprobs, or a beam's candidates."""
+        return max(self.top_logprobs, 2 * self.beam_width)
 
     @property
     def penalized(self) -> bool:
@@ -183,6 +212,7 @@ class Request:
     # compiles the grammar and sets it before the request reaches the engine)
     structured_state: object | None = None
     timeline: Timeline | None = None      # set by the worker for a traced / timed request
+    beam_group: object | None = None      # engine.beam_search.BeamGroup of a beam search
     # params.prompt_logprobs set: one entry per prompt token computed so far, the first None
     # (nothing precedes it); complete once the first output token is sampled
     prompt_logprobs: list[TokenLogprob | None] | None = None

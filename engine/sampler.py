@@ -244,7 +244,7 @@ class Sampler:
                 any_min_p = any_min_p or p.min_p > 0.0
             else:
                 temp[i], top_p[i], top_k[i], min_p[i], u[i] = 0.0, 1.0, 0, 0.0, 0.0
-        lps = [r.params.top_logprobs for r in rows if r.params.logprobs and r.decided]
+        lps = [r.params.num_top_logprobs for r in rows if r.params.wants_logprobs and r.decided]
         return SamplingPlan(tuple(rows), any_draw, max_k, any_p, bool(lps), max(lps, default=0),
                             any_min_p, plan_processing(rows, self.eos_token_ids, bitmask))
 
@@ -264,8 +264,8 @@ class Sampler:
             tok = int(vals[0])
             tokens.append(tok)
             p = row.params
-            if p.logprobs and row.decided:
-                k = p.top_logprobs
+            if p.wants_logprobs and row.decided:
+                k = p.num_top_logprobs
                 top = [(int(vals[2 + j]), vals[2 + n + j]) for j in range(k)]
                 logprobs.append(TokenLogprob(tok, vals[1], top))
             else:

@@ -38,3 +38,5 @@ REPETITION_PENALTY = Range(0.0, 2.0, open_low=True)
 LOGIT_BIAS = Range(-100.0, 100.0)        # each biased token's value
 MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 16                         # n of one request, at most
+# a beam search's early_stopping as the wire spells it (SamplingParams.early_stopping) -> HF's
+EARLY_STOPPING = {"": False, "false": False, "true": True, "never": "never"}

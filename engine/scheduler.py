@@ -18,6 +18,13 @@ the last prompt token, gets a copy of that block (KVCacheManager.take_copies, do
 before the next step) and recomputes the last prompt token with its own seed: a one-token step, then
 it decodes like any other request. Without a free block a choice computes its prompt itself
 (prefix cache hits still count).
+
+Beam search (engine.beam_search): a request's beams are sequences of the batch. Each records
+its row's candidates and waits (nothing to compute) until every beam of its group has; then the
+group's step forks the beams chosen more than once (full blocks shared, the partial one copied)
+and ends those chosen by none. A waiting beam that cannot get blocks may preempt a younger
+search's waiting beams (to the back of the queue), so searches that do not fit together take
+turns instead of waiting for each other.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from engine.beam_search import BeamGroup
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_connector import KVConnector, Load
@@ -101,6 +109,10 @@ class Scheduler:
         self.end_load(request_id, sender_stopped=True)
         req.num_computed_tokens = req.num_tokens
         self.kv.cache_computed_blocks(req)
+        if req.params.beam_width:                 # the prefill's candidates start the search
+            self._admit(req)
+            outs = self._beam_step(req, logprob)
+            return outs[0] if outs else None
         if not req.append_token(first_token, logprob):
             out = self._reject(req, first_token)
         else:
@@ -108,13 +120,18 @@ class Scheduler:
             out = self._check_finish(req, [first_token], [logprob] if logprob else [])
         if req.finished:
             self.kv.free(req.request_id)
-        elif len(self.running) < self.cfg.max_num_seqs:
+        else:
+            self._admit(req)
+        return out
+
+    def _admit(self, req: Request) -> None:
+        """A request holding its blocks joins the batch, or the queue when it is full."""
+        if len(self.running) < self.cfg.max_num_seqs:
             req.status = Status.RUNNING
             self.running.append(req)
         else:
             req.status = Status.WAITING
             self.waiting.append(req)
-        return out
 
     def compute_locally(self, request_id: str) -> bool:
         """Decode role: the KV of a reserved request will not arrive; compute the prompt here,
@@ -163,8 +180,8 @@ class Scheduler:
         """Choices 1..n-1 of a request whose first token just came out (see the module
         docstring)."""
         n = parent.params.n
-        if n <= 1 or parent.forked or parent.group:
-            return
+        if n <= 1 or parent.forked or parent.group or parent.params.beam_width:
+            return                        # (a beam search's width forks as its beams go)
         parent.forked = True
         bs = self.kv.block_size
         shared = (parent.num_prompt_tokens - 1) // bs
@@ -235,6 +252,8 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING:
                 continue                          # preempted earlier in this step
+            if req.num_tokens == req.num_computed_tokens:
+                continue                          # a beam waiting for its group's choice
             spec = req.spec_token_ids
             if spec:        # a decode with proposals: its token and what fits of them
                 del spec[max(budget - 1, 0):]
@@ -246,8 +265,8 @@ class Scheduler:
                     spec.clear()
                     n = 1
                     continue
-                if self._release_waiting(keep=None):    # idle holders give way first
-                    continue
+                if self._release_waiting(keep=None) or self._release_idle_beam(keep=req):
+                    continue                        # idle holders give way first
                 victim = self.running[-1]           # the newest request gives way
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
@@ -281,8 +300,11 @@ class Scheduler:
             computed = req.num_computed_tokens + len(hits) * self.kv.block_size
             n = _chunk(req.num_tokens - computed, budget, cap if len(self.waiting) > 1 else budget)
             if self.kv.allocate_slots(req.request_id, computed + n, prefix=hits) is None:
-                if self._release_waiting(keep=req):
+                if self._release_waiting(keep=req) or self._release_idle_beam(keep=req):
                     continue                         # try the head again
+                if req.beam_group is not None:       # an older search's beam may get room
+                    i += 1
+                    continue
                 break
             if req.num_computed_tokens == 0:
                 self._note_hits(req, len(hits))
@@ -317,14 +339,34 @@ class Scheduler:
                 return True
         return False
 
-    def _preempt(self, req: Request) -> None:
+    def _release_idle_beam(self, keep: Request) -> bool:
+        """Preempt the beams of the newest beam search younger than `keep` (by arrival) that
+        wait for their group's choice (nothing to compute): they go to the back of the queue,
+        and recompute from the prefix cache when their turn comes. Without this, beams holding
+        blocks while their group waits for one that cannot get any would wait for each other
+        for ever. False when there are none."""
+        idle = [r for r in self.running if r.beam_group is not None
+                and r.beam_group is not keep.beam_group and r.arrival > keep.arrival
+                and r.num_tokens == r.num_computed_tokens]
+        if not idle:
+            return False
+        newest = max(r.arrival for r in idle)
+        for req in idle:
+            if req.arrival == newest:
+                self._preempt(req, front=False)
+        return True
+
+    def _preempt(self, req: Request, front: bool = True) -> None:
         req.spec_token_ids.clear()
         self.running.remove(req)
         self.kv.free(req.request_id)
         req.num_computed_tokens = req.num_cached_blocks = 0
         req.num_preemptions += 1
         req.status = Status.WAITING
-        self.waiting.appendleft(req)
+        if front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
 
     # ------------------------------------------------------------------ after the forward pass
     def update(self, sched: SchedulerOutput, tokens: list[list[int] | int],
@@ -349,6 +391,11 @@ class Scheduler:
             toks, lps = next(it)
             if isinstance(toks, int):
                 toks, lps = [toks], [lps]
+            if req.params.beam_width and self.cfg.role == "decode":
+                req.num_computed_tokens += s.num_new_tokens
+                self.kv.cache_computed_blocks(req)
+                outputs.extend(self._beam_step(req, lps[0]))
+                continue
             first = not req.output_token_ids
             out = self._append(req, toks, lps)
             if first and req.prompt_logprobs is not None:
@@ -372,6 +419,103 @@ class Scheduler:
                     self.kv.free(req.request_id)
             outputs.append(out)
         return outputs
+
+    # ------------------------------------------------------------------ beam search
+    def _beam_step(self, beam: Request, logprob: TokenLogprob | None) -> list[RequestOutput]:
+        """A beam's candidates this step (its row's top logprobs); once its group has them all,
+        the group's step (engine.beam_search): beams forked and ended, and when the search is
+        done every beam's blocks freed and the request's choices out, best first."""
+        group: BeamGroup | None = beam.beam_group
+        if group is None:                       # the request itself, its first candidates
+            p = beam.params
+            group = beam.beam_group = BeamGroup(
+                p.beam_width, p.length_penalty, p.early_stopping,
+                frozenset() if p.ignore_eos else self.eos,
+                min(p.max_tokens, self.max_model_len - beam.num_prompt_tokens))
+            group.start(beam.request_id, beam.output_token_ids)
+            group.members = {beam.request_id: beam}
+            group.prompt_logprobs = beam.prompt_logprobs
+        if logprob is None:                     # a bug: a beam's row reports its candidates
+            self.abort(beam.group or beam.request_id)
+            return [RequestOutput(beam.group or beam.request_id, [], [], "error",
+                                  error="beam search: a beam's step came without candidates")]
+        if beam.num_computed_tokens < beam.num_tokens:
+            return []     # recomputed after a preemption, chosen meanwhile: its row is stale
+        if not group.observe(beam.request_id, logprob.top):
+            return []
+        members: dict[str, Request] = group.members
+        chosen = group.select()
+        children: dict[str, list] = {}
+        for c in chosen:
+            children.setdefault(c.parent, []).append(c)
+        kept: dict[str, Request] = {}
+        for bid, req in members.items():
+            conts = children.get(bid)
+            if not conts:
+                self._end_beam(req)
+                continue
+            before = list(req.output_token_ids)
+            for c in conts[1:]:
+                child = self._fork_beam(req, group)
+                child.output_token_ids = before + [c.token]
+                group.adopt(child.request_id, c, before)
+                kept[child.request_id] = child
+            req.append_token(conts[0].token, None)
+            group.adopt(bid, conts[0], before)
+            kept[bid] = req
+        group.members = kept
+        if not group.done:
+            return []
+        root = beam.group or beam.request_id
+        results = group.results()
+        if len(results) != group.width:
+            raise RuntimeError(f"beam search of {root} ended with {len(results)} of "
+                               f"{group.width} beams")
+        outs = [RequestOutput(root, h.token_ids, [], h.finish_reason, choice=i)
+                for i, h in enumerate(results)]
+        outs[0].prompt_logprobs = group.prompt_logprobs
+        return outs
+
+    def _fork_beam(self, parent: Request, group: BeamGroup) -> Request:
+        """A new beam of `parent`'s tokens, sharing its full blocks and a copy of its partial
+        one (or, with no block free, computing them itself: its prefix cache hits count)."""
+        root = parent.group or parent.request_id
+        group.forks += 1
+        child = Request(f"{root}#beam{group.forks}", parent.prompt_token_ids,
+                        replace(parent.params, prompt_logprobs=None),
+                        cache_salt=parent.cache_salt, group=root)
+        child.beam_group = group
+        bs = self.kv.block_size
+        computed = parent.num_computed_tokens
+        shared = computed // bs
+        if computed == 0:                         # a preempted parent: nothing to share
+            forked = False
+        elif computed % bs == 0:
+            self.kv.share(parent.request_id, child.request_id, shared)
+            forked = True
+        else:
+            forked = self.kv.fork(parent.request_id, child.request_id, shared) is not None
+        if forked:
+            child.num_computed_tokens = computed
+            child.block_hashes = parent.block_hashes[:shared]
+            child.num_cached_blocks = min(parent.num_cached_blocks, shared)
+        child.arrival = parent.arrival
+        if forked and len(self.running) < self.cfg.max_num_seqs:
+            child.status = Status.RUNNING
+            self.running.append(child)
+        else:
+            child.status = Status.WAITING
+            self.waiting.appendleft(child)       # the group waits for it: it goes next
+        return child
+
+    def _end_beam(self, req: Request) -> None:
+        """A beam no candidate continues (or the search's end): its blocks go back."""
+        req.status = Status.FINISHED
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req.request_id)
 
     def _blocks_final(self, req: Request, final: bool) -> list[int]:
         """Prefill role: the blocks handed to the request's send now, a reference each."""

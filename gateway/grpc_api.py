@@ -24,6 +24,7 @@ import logging
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from engine.sampling_limits import EARLY_STOPPING
 from gateway.choice_text import Delta
 from gateway.errors import GatewayError, bad_request
 from gateway.limits import InFlight
@@ -58,7 +59,7 @@ def request_to_shared(request: pdserve_pb2.GenerateRequest
         max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p or None,
         top_k=p.top_k, seed=p.seed if p.HasField("seed") else None, stop=tuple(p.stop),
         ignore_eos=p.ignore_eos, logprobs=p.logprobs, top_logprobs=p.top_logprobs,
-        n=p.n or None, min_p=p.min_p, presence_penalty=p.presence_penalty,
+        n=_beam_n(p), min_p=p.min_p, presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else None,
         logit_bias=sorted(p.logit_bias.items()), min_tokens=p.min_tokens,
@@ -66,8 +67,29 @@ def request_to_shared(request: pdserve_pb2.GenerateRequest
         include_stop_str_in_output=p.include_stop_str_in_output,
         skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else None,
         echo=request.echo, structured=_structured(p),
-        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None)
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        beam_search=p.beam_width > 0,
+        length_penalty=p.length_penalty if p.HasField("length_penalty") else None,
+        early_stopping=_early_stopping(p.early_stopping) if p.beam_width else None)
+    if not p.beam_width and (p.HasField("length_penalty") or p.early_stopping):
+        raise bad_request("length_penalty and early_stopping apply to beam search: set "
+                          "beam_width", "length_penalty")
     return prompt, params
+
+
+def _beam_n(p: pdserve_pb2.SamplingParams) -> int | None:
+    """n, which a beam search's width sets (n 0 or equal to it)."""
+    if p.beam_width and p.n and p.n != p.beam_width:
+        raise bad_request(f"n is a beam search's width: give n={p.beam_width} or leave it 0, "
+                          f"got n={p.n}", "n")
+    return p.beam_width or p.n or None
+
+
+def _early_stopping(text: str) -> bool | str:
+    if text not in EARLY_STOPPING:
+        raise bad_request(f"early_stopping must be true, false or never, got {text!r}",
+                          "early_stopping")
+    return EARLY_STOPPING[text]
 
 
 def _structured(p: pdserve_pb2.SamplingParams) -> Structured | None:

@@ -113,6 +113,10 @@ class GenerationParams:
     # the prompt's logprobs with this many top alternatives (None: not asked for); completions'
     # echo with logprobs computes them too (prompt_logprobs_computed)
     prompt_logprobs: int | None = None
+    # beam search (engine/beam_search.py): n is the width
+    beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
     # (parameter, the request field it came from) where the two names differ:
     # max_completion_tokens, a completion's logprobs (its top_logprobs)
     aliases: tuple[tuple[str, str], ...] = ()
@@ -175,7 +179,32 @@ class GenerationParams:
                               f"got {self.prompt_logprobs}", "prompt_logprobs")
         if self.structured is not None:
             _check_structured(self.structured)
+        if self.beam_search:
+            self._check_beam()
         check_ints(self, dict(self.aliases))
+
+    def _check_beam(self) -> None:
+        """Beam search ranks the model's raw logprobs, deterministically (engine/beam_search.py):
+        what would change them, draw from them or cut the beams' text is refused by name."""
+        neutral = {"temperature": 0, "top_p": 1, "min_p": 0, "presence_penalty": 0,
+                   "frequency_penalty": 0, "repetition_penalty": 1, "min_tokens": 0}
+        for name, value in neutral.items():
+            if getattr(self, name) != value:
+                raise bad_request(f"{name} does not apply to beam search (it ranks the model's "
+                                  "raw logprobs, deterministically); leave it unset", name)
+        if self.top_k not in (0, -1):
+            raise bad_request("top_k does not apply to beam search; leave it unset", "top_k")
+        for name in ("logit_bias", "stop", "stop_token_ids", "structured"):
+            if getattr(self, name):
+                raise bad_request(f"{name} is not supported with beam search",
+                                  "response_format" if name == "structured" else name)
+        if self.logprobs:
+            param = self.param("top_logprobs") if self.top_logprobs else "logprobs"
+            raise bad_request("logprobs are not supported with beam search", param)
+        _check_finite(self.length_penalty, "length_penalty")
+        if self.early_stopping not in (False, True, "never"):
+            raise bad_request(f"early_stopping must be true, false or \"never\", got "
+                              f"{self.early_stopping!r}", "early_stopping")
 
     def _check_penalties(self) -> None:
         _check_range(self.min_p, limits.MIN_P, "min_p")
@@ -208,6 +237,10 @@ class GenerationParams:
             skip_special_tokens=self.skip_special_tokens, n=self.n)
         if self.prompt_logprobs_computed is not None:
             msg.prompt_logprobs = self.prompt_logprobs_computed
+        if self.beam_search:
+            msg.beam_width = self.n
+            msg.length_penalty = self.length_penalty
+            msg.early_stopping = str(self.early_stopping).lower()
         if self.structured is not None:
             msg.structured.CopyFrom(self.structured.to_proto())
         return msg

@@ -233,6 +233,8 @@ class Pipeline:
         """Why a stream whose decode worker failed cannot go on elsewhere ("": it can)."""
         if prepared.params.n > 1:
             return "a request of n > 1 is not moved"
+        if prepared.params.beam_search:
+            return "a beam search is not moved"
         if migrations >= self.config.max_migrations:
             return f"it was moved {migrations} times already (--max-migrations)"
         if all(w.id in tried for w in self.router.workers("decode")):

@@ -7,7 +7,7 @@ Beyond OpenAI's fields, vLLM's sampling extensions are accepted (top_k, min_p,
 repetition_penalty, min_tokens, stop_token_ids, include_stop_str_in_output,
 skip_special_tokens, ignore_eos, structured_outputs and its older guided_* spellings), so
 clients written for vLLM work unchanged. Accepted but limited: best_of (only = n),
-use_beam_search (only false), suffix (only none); `user` is an end-user id for the caller's
+suffix (only none); `user` is an end-user id for the caller's
 records and changes nothing. Range checks shared with the gRPC front door live in params.py;
 the OpenAPI schema states them (and the rules across fields that as_template_dict, params.py and
 gateway/tools/ apply) so that it describes exactly the requests that are valid, bar what it cannot
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, model_validator
@@ -314,7 +315,9 @@ class _CommonRequest(RequestBody):
     min_tokens: Integer | None = _bounded(minimum=0)        # and at most max_tokens
     n: Integer | None = _bounded(minimum=1, maximum=MAX_N)
     best_of: Integer | None = _bounded(minimum=1, maximum=MAX_N)    # and equal to n
-    use_beam_search: bool = _bounded(False, const=False)
+    use_beam_search: bool = False
+    length_penalty: float | None = None        # beam search only
+    early_stopping: Union[bool, Literal["never"], None] = None     # beam search only
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -361,10 +364,23 @@ class _CommonRequest(RequestBody):
             raise bad_request(f"best_of other than n is not supported, got best_of="
                               f"{self.best_of} with n={self.n or 1}", "best_of")
         if self.use_beam_search:
-            raise bad_request("beam search is not supported", "use_beam_search")
+            self._check_beam()
+        else:
+            for name in ("length_penalty", "early_stopping"):
+                if getattr(self, name) is not None:
+                    raise bad_request(f"{name} applies to beam search: set use_beam_search",
+                                      name)
         if self.prompt_logprobs is not None and self.stream:
             raise bad_request("prompt_logprobs is not available with stream=true (as in vLLM); "
                               "ask without streaming", "prompt_logprobs")
+
+    def _check_beam(self) -> None:
+        """What only REST can say of a beam search (GenerationParams checks the rest)."""
+        if self.stream:
+            raise bad_request("beam search does not stream (as in vLLM): its beams are known "
+                              "only at the end; ask without stream", "use_beam_search")
+        if self.length_penalty is not None and not math.isfinite(self.length_penalty):
+            raise bad_request("length_penalty must be a finite number", "length_penalty")
 
     def _structured(self) -> Structured | None:
         forms = []
@@ -411,7 +427,12 @@ class _CommonRequest(RequestBody):
         """The request's generation parameters, checked (GatewayError 400 naming the field;
         `aliases`: GenerationParams.aliases)."""
         return GenerationParams.from_client(
-            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+            beam_search=self.use_beam_search, length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping,
+            max_tokens=max_tokens,
+            temperature=0 if self.use_beam_search and self.temperature is None
+            else self.temperature,
+            top_p=self.top_p,
             top_k=self.top_k, seed=self.seed, stop=self._stop(), ignore_eos=self.ignore_eos,
             logprobs=logprobs, top_logprobs=top_logprobs, n=self.n, min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 from engine.request import Request, SamplingParams
+from engine.sampling_limits import EARLY_STOPPING
 from engine.structured.spec import StructuredSpec
 from proto import pdserve_pb2 as pb
 
@@ -41,7 +42,18 @@ def sampling_from_pb(p: pb.SamplingParams) -> SamplingParams:
                           n=p.n or 1, structured=structured_from_pb(p.structured)
                           if p.HasField("structured") else None,
                           prompt_logprobs=p.prompt_logprobs
-                          if p.HasField("prompt_logprobs") else None)
+                          if p.HasField("prompt_logprobs") else None,
+                          beam_width=p.beam_width,
+                          length_penalty=(p.length_penalty if p.HasField("length_penalty")
+                                          else 1.0),
+                          early_stopping=_early_stopping(p.early_stopping))
+
+
+def _early_stopping(text: str) -> bool | str:
+    """The wire's early_stopping ("", "false", "true", "never") as HF's value."""
+    if text not in EARLY_STOPPING:
+        raise ValueError(f"early_stopping must be true, false or never, got {text!r}")
+    return EARLY_STOPPING[text]
 
 
 def request_from_pb(rid: str, msg: pb.DecodeRequest | pb.PrefillRequest) -> Request:

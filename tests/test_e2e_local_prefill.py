@@ -65,3 +65,19 @@ def test_prompt_logprobs_of_a_prompt_computed_on_the_decode_worker(stack, hf):
         assert lp.rank == entry[str(lp.token_id)]["rank"] and len(lp.top) == 2
     prefill = next(p for p in stack.procs if p.name == "prefill")
     assert metric(prefill.metrics, "pdserve_prompt_tokens_computed_total") == 0
+
+
+def test_beam_search_over_grpc_with_the_prompt_computed_on_the_decode_worker(stack, hf):
+    """The decode worker computes the prompt and runs the beams from its own last row:
+    GenerateResponse per choice, HF's beams best first."""
+    from tests.test_beam_search import _hf_beams
+
+    prompt = "My favourite colour is"
+    with grpc.insecure_channel(stack.procs[-1].address) as ch:
+        got: dict[int, list[int]] = {}
+        for r in pb_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
+                text=prompt, params=pb.SamplingParams(max_tokens=10, beam_width=3)),
+                timeout=120):
+            got.setdefault(r.index, []).extend(r.token_ids)
+    assert [got[i] for i in range(3)] == _hf_beams(hf, prompt_ids(hf, plain=prompt), 3, 1.0,
+                                                   False, 10)

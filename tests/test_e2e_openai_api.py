@@ -455,15 +455,19 @@ def check_prompt_logprobs(hf, ids: list[int], entries: list, k: int) -> None:
             assert isinstance(e["decoded_token"], str)
 
 
-def test_prompt_logprobs_match_hf_and_skip_the_prefix_cache(http, stack, model_dir):
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return (AutoTokenizer.from_pretrained(model_dir),
+            AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval())
+
+
+def test_prompt_logprobs_match_hf_and_skip_the_prefix_cache(http, stack, hf):
     """prompt_logprobs on both endpoints: computed on the prefill worker from the prompt's own
     forward pass, vLLM's shape, HF's values; a repeat of the prompt (its blocks in the prefix
     cache now) scores every position again, reading nothing from the cache, as vLLM does."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    import torch
-
-    hf = (AutoTokenizer.from_pretrained(model_dir),
-          AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval())
     prompt = "The capital of France is Paris. The capital of Spain is Madrid. The capital of"
     ids = hf[0](prompt).input_ids
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0,
@@ -525,3 +529,31 @@ def test_echo_with_logprobs_puts_the_prompt_first(client, http, model_dir):
                 values += c.logprobs.token_logprobs
     assert tokens == lp.tokens and values[0] is None
     assert values[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+
+
+def test_beam_search_answers_hf_beams_through_the_stack(client, http, hf):
+    """use_beam_search with n as the width on both endpoints (vLLM's batch case: two copies of
+    a prompt, two beams each), the first token's candidates from the prefill worker, the beams
+    on the decode worker: HF's beams, best first."""
+    from tests.test_beam_search import _hf_beams
+
+    prompt = "The best way to learn a language is"
+    batch = client.completions.create(model=MODEL, prompt=[prompt, prompt], n=2, max_tokens=8,
+                                      temperature=0.0, extra_body={"use_beam_search": True})
+    texts = [c.text for c in sorted(batch.choices, key=lambda c: c.index)]
+    assert len(texts) == 4 and texts[0] != texts[1]
+    assert texts[0] == texts[2] and texts[1] == texts[3]
+    ref = _hf_beams(hf, hf[0](prompt).input_ids, 2, 1.0, False, 8)
+    assert texts[:2] == [hf[0].decode(b, skip_special_tokens=True) for b in ref]
+    assert batch.usage.completion_tokens == 2 * sum(len(b) for b in ref)
+    msgs = [{"role": "user", "content": "What is the capital of Italy?"}]
+    chat = http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": msgs, "n": 3, "max_tokens": 20, "use_beam_search": True,
+        "length_penalty": 0.5, "early_stopping": True}).json()
+    ids = hf[0].apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                    return_dict=False)
+    ref = _hf_beams(hf, ids, 3, 0.5, True, 20)
+    got = sorted(chat["choices"], key=lambda c: c["index"])
+    assert [c["message"]["content"] for c in got] == [
+        hf[0].decode(b, skip_special_tokens=True) for b in ref]
+    assert [c["finish_reason"] for c in got] == ["stop" if b[-1] == 2 else "length" for b in ref]
