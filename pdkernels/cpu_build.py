@@ -63,9 +63,37 @@ def avx2_capable() -> bool:
 
 
 def avx2_host() -> bool:
-    """An x86-64 CPU whose best vector ISA, as torch sees it, is AVX2: where the engine picks
-    the AVX2 kernels by default (on AVX-512 and AMX hosts they still run, when asked for)."""
+    """An x86-64 CPU whose best vector ISA, as torch sees it, is AVX2 (on AVX-512 and AMX hosts
+    the AVX2 kernels still run, when asked for)."""
     return _x86() and avx2_capable() and torch.backends.cpu.get_cpu_capability() == "AVX2"
+
+
+def cpuinfo_field(name: str) -> str | None:
+    """A field of the first CPU in /proc/cpuinfo ("vendor_id", "cpu family", ...), or None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == name:
+                    return value.strip()
+    except OSError:
+        return None
+    return None
+
+
+ZEN4_FAMILY = "25"   # AMD family 19h: Zen 3 (no AVX-512) and Zen 4 (AVX-512 on 256-bit units)
+
+
+def kernels_preferred() -> bool:
+    """Where the engine picks the AVX2 kernels (linear and attention) by default: hosts whose
+    best ISA is AVX2, and AMD Zen 4 hosts, whose AVX-512 runs on 256-bit units, so 256-bit code
+    loses no width there and our kernels measured faster than oneDNN and gather + SDPA
+    (docs/performance.md, "CPU paths side by side"). Other AVX-512 / AMX hosts (Intel, Zen 5's
+    full-width units) keep oneDNN and SDPA until measured."""
+    if not (_x86() and avx2_capable()):
+        return False
+    return avx2_host() or (cpuinfo_field("vendor_id") == "AuthenticAMD"
+                           and cpuinfo_field("cpu family") == ZEN4_FAMILY)
 
 
 def build(source: Path, flags: list[str], out_dir: Path | None = None) -> Path:

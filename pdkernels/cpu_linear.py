@@ -60,8 +60,9 @@ def cpu_supported() -> bool:
 
 def preferred() -> bool:
     """Whether the engine picks this kernel by default for float weights: where the host's best
-    vector ISA is AVX2 (pdkernels.cpu_build.avx2_host), as measured (docs/performance.md)."""
-    return cpu_build.avx2_host()
+    vector ISA is AVX2, and AMD Zen 4 hosts (pdkernels.cpu_build.kernels_preferred), as
+    measured (docs/performance.md)."""
+    return cpu_build.kernels_preferred()
 
 
 def build(out_dir: Path | None = None) -> Path:

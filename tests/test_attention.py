@@ -82,9 +82,9 @@ def test_cpu_attention_choice_forces_a_path_or_says_why_it_cannot(monkeypatch):
     assert use_cpu_kernel("sdpa", cpu, 64, 16, torch.float32) is False
     if cpu_attention.available():
         assert use_cpu_kernel("avx2", cpu, 64, 16, torch.float32) is True
-        monkeypatch.setattr(cpu_build, "avx2_host", lambda: False)     # an AVX-512 host
+        monkeypatch.setattr(cpu_build, "kernels_preferred", lambda: False)     # an AVX-512 host
         assert use_cpu_kernel("auto", cpu, 64, 16, torch.float32) is False
-        monkeypatch.setattr(cpu_build, "avx2_host", lambda: True)
+        monkeypatch.setattr(cpu_build, "kernels_preferred", lambda: True)
         assert use_cpu_kernel("auto", cpu, 64, 16, torch.float32) is True
         with pytest.raises(ValueError, match="--cpu-attention avx2: .*head_dim a multiple of 8"):
             use_cpu_kernel("avx2", cpu, 20, 16, torch.float32)

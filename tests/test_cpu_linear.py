@@ -153,10 +153,10 @@ def test_forced_methods_that_cannot_run_are_refused_by_name(monkeypatch):
 def test_auto_picks_by_the_hosts_best_isa(monkeypatch):
     """AVX2-best hosts: our kernel; AVX-512 hosts: oneDNN for float weights, our int8 kernel for
     integer ones (it runs there too); no kernel at all: oneDNN, and the int8 reference."""
-    monkeypatch.setattr(cpu_build, "avx2_host", lambda: True)
+    monkeypatch.setattr(cpu_build, "kernels_preferred", lambda: True)
     if cpu_linear.available():
         assert isinstance(linear_method_for(CPU, torch.float32), Avx2Method)
-    monkeypatch.setattr(cpu_build, "avx2_host", lambda: False)
+    monkeypatch.setattr(cpu_build, "kernels_preferred", lambda: False)
     if onednn_available(CPU, torch.float32):
         assert isinstance(linear_method_for(CPU, torch.float32), OneDnnMethod)
     assert linear_method_for(CPU, torch.float32, "int8").kernel == cpu_linear.available()
@@ -350,3 +350,19 @@ def test_an_int8_engine_holds_under_half_the_weight_memory_and_decodes(model_dir
     assert len(tokens["int8"]) == 4 and tokens["int8"][0] == tokens["none"][0]
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(role="decode", quantization="int4-nonsense")
+
+
+def test_the_kernels_are_preferred_on_avx2_hosts_and_amd_zen4(monkeypatch):
+    """AVX2-best hosts and AMD family 25 (Zen 4: AVX-512 on 256-bit units) pick our kernels;
+    an Intel AVX-512 host and Zen 5 (family 26, full-width units) keep oneDNN / SDPA."""
+    if not cpu_build.avx2_capable():
+        pytest.skip("not an x86 host with AVX2 and FMA")
+    fields = {}
+    monkeypatch.setattr(cpu_build, "cpuinfo_field", lambda name: fields.get(name))
+    monkeypatch.setattr(cpu_build, "avx2_host", lambda: True)
+    assert cpu_build.kernels_preferred()
+    monkeypatch.setattr(cpu_build, "avx2_host", lambda: False)          # an AVX-512 host
+    for vendor, family, want in (("AuthenticAMD", "25", True), ("AuthenticAMD", "26", False),
+                                 ("GenuineIntel", "6", False)):
+        fields.update({"vendor_id": vendor, "cpu family": family})
+        assert cpu_build.kernels_preferred() is want, (vendor, family)

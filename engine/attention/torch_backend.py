@@ -280,8 +280,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 def use_cpu_kernel(choice: str, device: torch.device, head_dim: int, block_size: int,
                    dtype: torch.dtype) -> bool:
     """Whether decodes and short queries go to our AVX2 kernel (`choice` "avx2") or to gather +
-    SDPA ("sdpa"); "auto": the kernel where it runs and the host's best ISA is AVX2 (measured
-    faster there, README); on AVX-512 hosts gather + SDPA until measured otherwise."""
+    SDPA ("sdpa"); "auto": the kernel where it runs on a host where the AVX2 kernels are
+    preferred (AVX2-best hosts and AMD Zen 4: pdkernels.cpu_build.kernels_preferred, measured
+    faster there); on other AVX-512 hosts gather + SDPA until measured otherwise."""
     if choice not in CPU_ATTENTION:
         raise ValueError(f"cpu_attention must be one of {CPU_ATTENTION}, got {choice!r}")
     runs = device.type == "cpu" and cpu_attention.supports(head_dim, block_size, dtype)
@@ -293,7 +294,7 @@ def use_cpu_kernel(choice: str, device: torch.device, head_dim: int, block_size:
                f"{cpu_attention.max_block()} tokens (got {dtype}, {head_dim}, {block_size})")
         raise ValueError(f"--cpu-attention avx2: the AVX2 attention kernel cannot run here: {why}")
     if choice == "auto":
-        return runs and cpu_build.avx2_host()
+        return runs and cpu_build.kernels_preferred()
     return choice == "avx2"
 
 

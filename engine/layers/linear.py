@@ -239,8 +239,8 @@ def linear_method_for(device: torch.device, dtype: torch.dtype,
     torch's oneDNN packed linear (float weights only: integer weights are refused), "torch"
     F.linear (integer weights: the dequantize-then-matmul reference, or the Triton kernel on
     CUDA). "auto" is what measured fastest on the host's kind (README, `pdserve stepbench`):
-    our kernel where the best ISA is AVX2, oneDNN on AVX-512 hosts for float weights (our
-    kernel for integer ones), F.linear elsewhere. A forced path that cannot run here is an
+    our kernel where the best ISA is AVX2 and on AMD Zen 4 (AVX-512 on 256-bit units), oneDNN
+    on other AVX-512 hosts for float weights (our kernel for integer ones), F.linear elsewhere. A forced path that cannot run here is an
     error naming why."""
     if choice not in LINEAR_METHODS:
         raise ValueError(f"linear method must be one of {LINEAR_METHODS}, got {choice!r}")
