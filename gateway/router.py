@@ -136,8 +136,10 @@ class Router:
         self._reference: WorkerInfo | None = None
         self._queued_tokens: dict[str, int] = {}   # prefill worker id -> uncached tokens queued
         self._queued_prompts: dict[str, int] = {}  # prefill worker id -> prompts queued
-        self.empty_grace_s = 6.0
-        self._emptied_at: float | None = None
+        # after Redis was lost (unreachable, or back empty) the workers register again within
+        # a heartbeat or two; until then the ones known before stay routable
+        self.rejoin_grace_s = 6.0
+        self._rejoin_until: float | None = None
         self._workers: dict[str, list[WorkerInfo]] = {role: [] for role in ROLES}
         self._refused: dict[str, WorkerInfo] = {}
         self._warned: set[tuple] = set()
@@ -162,20 +164,11 @@ class Router:
                             self.num_workers())
             self._redis_down = True
             return
-        if self._redis_down:
+        came_back = self._redis_down
+        if came_back:
             log.info("redis at %s is reachable again", redacted(self.redis_url))
         self._redis_down = False
-        now = time.monotonic()
-        if not workers and self.num_workers():
-            # Every registration gone at once: Redis restarted empty (the workers register again
-            # within a heartbeat) far more often than every worker died together.
-            if self._emptied_at is None:
-                self._emptied_at = now
-                log.warning("redis lists no workers; keeping the last known list for %.0f s "
-                            "while they register again", self.empty_grace_s)
-            if now - self._emptied_at < self.empty_grace_s:
-                return
-        self._emptied_at = None
+        workers = self._with_rejoining(workers, came_back)
         self._apply(workers)
         await self._close_unused_channels()
         if self.metrics is not None and self.routing == "prefix":
@@ -186,6 +179,27 @@ class Router:
             self.metrics.directory_blocks.clear()
             for wid, n in sizes.items():
                 self.metrics.directory_blocks.labels(worker=wid).set(n)
+
+    def _with_rejoining(self, workers: list[WorkerInfo], came_back: bool) -> list[WorkerInfo]:
+        """The registry's list, plus the workers known before Redis was lost that have not
+        registered again yet, for rejoin_grace_s. Redis lost means: it was unreachable and is
+        back, or it lists no worker at all (restarted empty between two polls: far likelier than
+        every worker dying together). A worker that really died is still avoided when it does
+        not answer (mark_unreachable), and dropped when the grace ends."""
+        now = time.monotonic()
+        if self._rejoin_until is None and self.num_workers() and (came_back or not workers):
+            self._rejoin_until = now + self.rejoin_grace_s
+            log.warning("redis %s; keeping the last known workers for %.0f s while they "
+                        "register again", "is back" if came_back else "lists no workers",
+                        self.rejoin_grace_s)
+        if self._rejoin_until is None:
+            return workers
+        if now >= self._rejoin_until:
+            self._rejoin_until = None
+            return workers
+        listed = {w.id for w in workers}
+        known = [w for ws in self._workers.values() for w in ws] + list(self._refused.values())
+        return workers + [w for w in known if w.id not in listed]
 
     def _apply(self, workers: list[WorkerInfo]) -> None:
         accepted, refused = split_by_layout(workers, self.expected_shape)

@@ -34,10 +34,14 @@ class RedisServer:
             pytest.skip("redis-server is not installed (apt-get install redis-server)")
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(workdir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._argv = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                      "--appendonly", "no", "--dir", str(workdir)]
+        self.start()
+
+    def start(self) -> None:
+        """Starts the server (again, after stop(): same port, empty, as a restart leaves it)."""
+        self.proc = subprocess.Popen(self._argv, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
         self._wait_ready()
 
     def _wait_ready(self, timeout_s: float = 10.0) -> None:

@@ -13,6 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import redis as redis_client
+
+from cluster.registry import KEY_PREFIX
 
 from tests.stack import Stack, metric, standard_stack, wait_idle, wait_until
 from tests.test_e2e import hf, hf_greedy, prompt_ids  # noqa: F401  (module fixture)
@@ -35,8 +38,15 @@ def stack(model_dir, tmp_path_factory):
         yield s
 
 
-def _gateway_sees(s: Stack, n: int) -> bool:
-    return httpx.get(f"{s.procs[-1].http}/health", timeout=5).json()["workers"]["prefill"] >= n
+def _registered(s: Stack, role: str) -> int:
+    client = redis_client.Redis.from_url(s.redis_url, socket_timeout=2)
+    try:
+        return sum(client.hget(key, "role") == role.encode()
+                   for key in client.scan_iter(KEY_PREFIX + "*"))
+    except redis_client.ConnectionError:      # the restarted server is not listening yet
+        return 0
+    finally:
+        client.close()
 
 
 def ask(stack, question: str, n=NEW) -> str:
@@ -105,8 +115,9 @@ def test_losing_redis_loses_no_request_and_routing_recovers(stack):
                                   "--save", "", "--appendonly", "no"],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        # workers register again and republish their full sets; the gateway routes by prefix
-        wait_until(lambda: _gateway_sees(stack, 2), 30, "workers back in the new redis")
+        # workers register again and republish their full sets; the gateway routes by prefix,
+        # and keeps routing to the decode worker whether or not it has registered again yet
+        wait_until(lambda: _registered(stack, "prefill") == 2, 30, "prefill workers back")
         before = metric(gw, "pdserve_routing_reasons_total", reason="cached_prefix")
 
         def routed_by_prefix() -> bool:           # else one more request

@@ -107,6 +107,40 @@ def test_keeps_last_known_workers_when_redis_goes_away(private_redis, caplog):
     assert len(warnings) == 1
 
 
+@pytest.mark.parametrize("outage", ["seen", "between_polls"])
+def test_workers_known_before_a_redis_restart_stay_while_they_register_again(
+        private_redis, outage, caplog):
+    """Redis restarts empty; the workers register again one by one within a heartbeat. One that
+    has not yet is still routed to, whether the gateway saw Redis down or the restart fell
+    between two polls; once the grace ends the registry's list is the truth again."""
+    d1, p1, p2 = worker("d1", "decode", 1.0), worker("p1", "prefill", 2.0), \
+        worker("p2", "prefill", 3.0)
+
+    async def body(router):
+        router.rejoin_grace_s = 1.0
+        await register(private_redis.url, d1, p1, p2)
+        await router.refresh()
+        caplog.set_level(logging.WARNING, logger="gateway.router")
+        if outage == "seen":
+            private_redis.stop()
+            await router.refresh()
+            private_redis.start()
+        else:
+            private_redis.flush()
+            await router.refresh()              # empty: held, the grace starts
+        await register(private_redis.url, p1)   # one worker is back, d1 and p2 not yet
+        await router.refresh()
+        during = router.counts(), router.pick("decode").id
+        await asyncio.sleep(1.1)
+        await router.refresh()
+        return during, router.counts()
+
+    (during, picked), after = asyncio.run(_with_router(private_redis.url, body))
+    assert during == {"prefill": 2, "decode": 1, "refused": 0} and picked == "d1"
+    assert after == {"prefill": 1, "decode": 0, "refused": 0}
+    assert any("keeping the last known workers" in r.getMessage() for r in caplog.records)
+
+
 def test_avoids_unreachable_workers_while_others_exist(redis_url):
     async def body(router):
         await register(redis_url, worker("d1", "decode", 1.0), worker("d2", "decode", 2.0))
