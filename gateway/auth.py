@@ -21,7 +21,7 @@ import grpc
 from gateway.errors import GatewayError
 
 ENV_VAR = "PDSERVE_API_KEY"
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/ping"})
 PROTECTED_SERVICE = "/pdserve.v1.Generation/"
 
 

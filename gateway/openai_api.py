@@ -2,6 +2,8 @@
 
     POST /v1/completions        text or token-id prompt
     POST /v1/chat/completions   messages rendered with the model's chat template
+    POST /invocations           SageMaker's route: either of the two, told apart by the body
+    GET  /ping                  SageMaker's health check: 200 while the app is up
     GET  /v1/models             the served model
     GET  /health                200 while the app is up, with worker counts (liveness)
     GET  /ready                 200 with a worker of each role and not draining, else 503
@@ -23,6 +25,7 @@ import time
 import uuid
 from typing import AsyncGenerator, AsyncIterator, Awaitable, TypeVar
 
+import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -346,6 +349,31 @@ def create_app(preparer: RequestPreparer, pipeline: Pipeline, router: Router,
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest):
         return await server.handle(request, body)
+
+    @app.post("/invocations")
+    async def invocations(request: Request):
+        """SageMaker hosting's one inference route: a body with "messages" is a chat completion
+        request, one with "prompt" a completion request; each is answered as on /v1."""
+        raw = await request.body()
+        try:
+            fields = json.loads(raw)
+        except ValueError:
+            fields = None                 # the model's own parse below names the JSON error
+        kind = (ChatCompletionRequest if isinstance(fields, dict) and "messages" in fields else
+                CompletionRequest if isinstance(fields, dict) and "prompt" in fields else None)
+        if fields is not None and kind is None:
+            return _error_response(bad_request(
+                'an /invocations body is a chat completion request (with "messages") or a '
+                'completion request (with "prompt")'))
+        try:
+            body = (kind or CompletionRequest).model_validate_json(raw)
+        except pydantic.ValidationError as exc:
+            return _error_response(validation_error(list(exc.errors())))
+        return await server.handle(request, body)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics():

@@ -94,13 +94,14 @@ def test_openai_client_with_a_key_and_the_ca(gateway):
 def test_missing_or_wrong_keys_are_401_with_an_openai_body(gateway, headers):
     base, _, ca, _ = gateway
     for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"),
-                         ("POST", "/tokenize"), ("GET", "/version")):
+                         ("POST", "/tokenize"), ("GET", "/version"), ("POST", "/invocations")):
         r = httpx.request(method, base + path, headers=headers, json={}, verify=ca)
         assert r.status_code == 401, (path, r.text)
         assert r.json()["error"]["code"] == "invalid_api_key"
         assert r.headers["www-authenticate"] == "Bearer"
     assert httpx.get(base + "/health", verify=ca).status_code == 200
     assert httpx.get(base + "/metrics", verify=ca).status_code == 200
+    assert httpx.get(base + "/ping", verify=ca).status_code == 200
 
 
 def test_plain_http_to_the_tls_port_gets_no_answer(gateway):

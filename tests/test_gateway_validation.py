@@ -208,6 +208,24 @@ def test_valid_requests_without_workers_are_503(client, path, body):
     _assert_error(client.post(path, json=body), 503, None, "no decode worker is available")
 
 
+@pytest.mark.parametrize("body", [_completion(max_tokens=3), _chat(max_completion_tokens=3)])
+def test_invocations_takes_either_request_by_its_body(client, body):
+    """SageMaker's /invocations: a valid chat or completion body goes to the workers (503 here,
+    none), a bad one is the same 400 as on /v1, a body of neither kind a 400 saying so."""
+    _assert_error(client.post("/invocations", json=body), 503, None, "no decode worker")
+    _assert_error(client.post("/invocations", json={**body, "temperature": 9}), 400,
+                  "temperature", "between 0 and 2")
+    _assert_error(client.post("/invocations", json={**body, "nope": 1}), 400, "nope",
+                  "unrecognized request argument")
+
+
+@pytest.mark.parametrize("raw", [b'{"model": "smol-test"}', b"[1, 2]", b"{not json", b""])
+def test_invocations_refuses_a_body_of_neither_kind(client, raw):
+    resp = client.post("/invocations", content=raw, headers={"content-type": "application/json"})
+    _assert_error(resp, 400)
+    assert client.get("/ping").status_code == 200 and client.post("/ping").status_code == 200
+
+
 def test_models_health_and_unknown_routes(client):
     models = client.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
