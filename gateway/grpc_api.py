@@ -195,7 +195,8 @@ class GenerationServicer(pdserve_pb2_grpc.GenerationServicer):
             if prepared.params.echo:
                 truncated = request.HasField("truncate_prompt_tokens")
                 echo = prompt.text if prompt.text is not None and not truncated else \
-                    self.preparer.tokenizer.decode(prepared.prompt_token_ids)
+                    self.preparer.tokenizer.decode(prepared.prompt_token_ids,
+                                                   skip_special_tokens=False)
             echoed: set[int] = set()
             used: dict[int, int] = {}
             finished: set[int] = set()

@@ -211,10 +211,12 @@ class OpenAIServer:
         if params.echo:
             tok = self.preparer.tokenizer
             # vLLM's: with return_token_ids the text leaves the prompt out (its ids say it);
-            # a truncated prompt echoes what was kept
+            # a truncated prompt echoes what was kept; a prompt is echoed whole, its special
+            # tokens too (the logprobs' offsets count them)
             echo = ["" if body.return_token_ids else
                     p.text if p.text is not None and body.truncate_prompt_tokens is None
-                    else tok.decode(r.prompt_token_ids) for p, r in zip(prompts, prepared)]
+                    else tok.decode(r.prompt_token_ids, skip_special_tokens=False)
+                    for p, r in zip(prompts, prepared)]
         return prepared, echo, plan
 
     def _trace(self, request: Request, body: CompletionRequest | ChatCompletionRequest

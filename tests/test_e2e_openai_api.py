@@ -291,6 +291,16 @@ def test_grpc_generate_takes_the_same_fields(stack):
                 usage = r.usage
         assert set(texts) == {0, 1} and all(t in ("alpha", "beta") for t in texts.values())
         assert usage is not None and usage.completion_tokens >= 2
+        # echo: each choice starts with the prompt, a token-id prompt's special tokens too
+        greedy = pb.SamplingParams(max_tokens=4, temperature=0, n=2)
+        for prompt, echoed in ((dict(text="Pick one:"), "Pick one:"),
+                               (dict(token_ids=pb.TokenIds(ids=[0, 0])), "<|endoftext|>" * 2)):
+            echo, plain = ({}, {})
+            for want, out in ((True, echo), (False, plain)):
+                req = pb.GenerateRequest(**prompt, params=greedy, echo=want)
+                for r in stub.Generate(req, timeout=120):
+                    out[r.index] = out.get(r.index, "") + r.text
+            assert echo == {i: echoed + plain[i] for i in (0, 1)}
 
 
 LONG_PROMPT = "The history of the lighthouse keepers on the northern coast, told slowly: " * 6
@@ -529,6 +539,14 @@ def test_echo_with_logprobs_puts_the_prompt_first(client, http, model_dir):
                 values += c.logprobs.token_logprobs
     assert tokens == lp.tokens and values[0] is None
     assert values[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+    # a token-id prompt of special tokens echoes them, and the offsets count them
+    specials = [0, 0, 0, 0, 0]
+    echoed = tok.decode(specials, skip_special_tokens=False)
+    assert echoed == "<|endoftext|>" * 5
+    ids_echo = client.completions.create(**{**base, "prompt": specials}, echo=True).choices[0]
+    ids_plain = client.completions.create(**{**base, "prompt": specials}).choices[0]
+    assert ids_echo.text == echoed + ids_plain.text
+    assert ids_echo.logprobs.text_offset[:6] == [0, 13, 26, 39, 52, 65]
 
 
 def test_beam_search_answers_hf_beams_through_the_stack(client, http, hf):
