@@ -259,22 +259,24 @@ class OpenAIFormatter:
                     body["prompt_token_ids"] = self._prompt_ids(choice)
                     choice.sent_prompt_ids = True
             return [self._chunk(body, choice)]
-        chunks = []
-        pieces = ([{"content": text}] if choice.tools is None
+        bodies = []
+        pieces = (([{"content": text}] if text else []) if choice.tools is None
                   else choice.tools.feed(text, final=bool(delta.finish_reason)))
         for k, piece in enumerate(pieces or ([{"content": ""}] if has_logprobs or ids else [])):
             body = {"index": choice.index, "delta": piece,
                     "logprobs": logprobs if k == 0 else None, "finish_reason": None}
             if self.token_ids:
                 body["token_ids"] = list(delta.token_ids) if k == 0 else []
-            chunks.append(self._chunk(body, choice))
+            bodies.append(body)
         if delta.finish_reason:
-            body = {"index": choice.index, "delta": {}, "logprobs": None,
-                    "finish_reason": self._finish(choice)}
-            if self.token_ids:
-                body["token_ids"] = [] if chunks else list(delta.token_ids)
-            chunks.append(self._chunk(body, choice))
-        return chunks
+            # as vLLM: the finish rides on the chunk of the last text; an empty delta
+            # carries it only when the last step added nothing to show
+            if not bodies:
+                bodies.append({"index": choice.index, "delta": {}, "logprobs": None})
+                if self.token_ids:
+                    bodies[-1]["token_ids"] = list(delta.token_ids)
+            bodies[-1]["finish_reason"] = self._finish(choice)
+        return [self._chunk(body, choice) for body in bodies]
 
     def finished(self) -> bool:
         """Every choice of every prompt has ended."""

@@ -380,6 +380,18 @@ def test_continuous_usage_stats_and_cached_tokens(http):
             "include_usage": True})) as r:
         plain = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert all(k["usage"] is None for k in plain[:-1])
+    # chat, as vLLM's suite reads it: after the role chunk the count grows with every chunk,
+    # the finish rides on the last text's chunk, and only the usage chunk repeats the count
+    chat = {"model": MODEL, "messages": ASK, "max_tokens": 6, "min_tokens": 6, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True,
+                                               "continuous_usage_stats": True}}
+    with http.stream("POST", "/v1/chat/completions", json=chat) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    counts = [k["usage"]["completion_tokens"] for k in chunks[1:-1]]
+    assert counts == sorted(set(counts)) and counts[-1] == 6
+    last = chunks[-2]["choices"][0]
+    assert last["finish_reason"] == "length" and last["delta"]["content"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
 
 
 def test_grpc_truncates_and_returns_prompt_ids_and_cached_tokens(stack):

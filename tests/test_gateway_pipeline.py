@@ -97,11 +97,17 @@ def test_chat_stream_and_response_shapes(preparer):
     assert role["object"] == "chat.completion.chunk" and role["usage"] is None
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     chunks = fmt.delta_chunks(_delta(tok, "Hi", "stop"))
-    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, "stop"]
+    # as vLLM: the finish rides on the chunk of the last text
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == ["stop"]
+    assert chunks[0]["choices"][0]["delta"] == {"content": "Hi"}
     content = chunks[0]["choices"][0]["logprobs"]["content"][0]
     assert set(content) == {"token", "logprob", "bytes", "top_logprobs"}
     assert len(content["top_logprobs"]) == 2 and content["bytes"] == list(b"Hi")
-    assert chunks[1]["choices"][0]["delta"] == {}
+    ended = OpenAIFormatter(prepared, tok, include_usage=True)      # a last step with no text
+    ended.delta_chunks(_delta(tok, "Hi", None))
+    last = ended.delta_chunks(Delta((), "", (), "stop", 1))
+    assert [(c["choices"][0]["delta"], c["choices"][0]["finish_reason"]) for c in last] \
+        == [({}, "stop")]
     usage = fmt.usage_chunk(1)
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 1
     full = fmt.response([_delta(tok, "Hi", "stop")])
