@@ -36,6 +36,9 @@ from gateway.tools.base import arguments_value, plain
 from gateway.tools.registry import DEFAULT_RENDER_PARSER, get_tool_parser
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")   # others: custom roles
+
+
 class ChatTemplateError(ValueError):
     """The conversation cannot be rendered (the template raised, or the model has none)."""
 
@@ -100,10 +103,22 @@ def render_chat(template: jinja2.Template | None, messages: list[dict], *, suppo
     else:
         messages = template_messages(messages)
     try:
-        return template.render(messages=messages, tools=tools, documents=None,
+        text = template.render(messages=messages, tools=tools, documents=None,
                                add_generation_prompt=add_generation_prompt, **variables)
     except jinja2.exceptions.TemplateError as exc:
         raise ChatTemplateError(f"chat template error: {exc}") from exc
+    _check_custom_roles(messages, text)
+    return text
+
+
+def _check_custom_roles(messages: Iterable[Mapping], text: str) -> None:
+    """A message of a custom role must show in the prompt: a template that knows only its own
+    roles drops the others without a word, and the model would never see that message."""
+    for i, message in enumerate(messages):
+        role, content = message.get("role"), _text(message.get("content"))
+        if role not in CHAT_ROLES and (role not in text or content not in text):
+            raise ChatTemplateError(f"this model's chat template does not render messages of "
+                                    f"role {role!r} (messages[{i}])")
 
 
 _TOOLS_WORD = re.compile(r"\btools\b")

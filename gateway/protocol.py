@@ -19,11 +19,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, model_validator
 from pydantic_core import PydanticCustomError
 
+from gateway.chat_template import CHAT_ROLES
 from gateway.errors import GatewayError, bad_request
 from gateway.params import (MAX_CACHE_SALT, MAX_CHOICES, MAX_LOGIT_BIAS, MAX_N,
                             MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_STRUCTURED_CHARS,
@@ -32,7 +34,8 @@ from gateway.timing import NVEXT_FIELDS
 from gateway.tools.validation import check_tools
 from gateway.wire import bad_text
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# any other role goes to the chat template as it is (vLLM's custom roles), if it is a name
+CUSTOM_ROLE = r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$"
 
 
 def _whole(value: Any) -> Any:
@@ -161,7 +164,7 @@ class NvExt(_Strict):
 class ChatMessage(_Strict):
     model_config = ConfigDict(extra="forbid", json_schema_extra=_MESSAGE_RULES)
 
-    role: str = _bounded(..., enum=list(CHAT_ROLES))
+    role: str = _bounded(..., pattern=CUSTOM_ROLE, examples=list(CHAT_ROLES))
     content: Union[str, list[dict], None] = _shaped(anyOf=[
         {"type": "string"}, {"type": "array", "items": _TEXT_PART}, _NULL])
     name: str | None = None
@@ -173,9 +176,11 @@ class ChatMessage(_Strict):
         """{"role", "content": str} (text parts joined by newlines), plus name / tool fields
         when given; raises GatewayError (400) naming the field for what the model cannot take."""
         where = f"messages[{index}]"
-        if self.role not in CHAT_ROLES:
-            raise bad_request(f"unknown role {self.role!r} in {where}; one of "
-                              f"{', '.join(CHAT_ROLES)}", f"{where}.role")
+        if self.role not in CHAT_ROLES and not re.fullmatch(CUSTOM_ROLE, self.role):
+            raise bad_request(f"role {self.role!r} in {where} is not a name: one of "
+                              f"{', '.join(CHAT_ROLES)}, or a custom role of letters, digits, "
+                              f"'_', '-' and '.' (up to 64, a letter first) that the model's "
+                              f"chat template renders", f"{where}.role")
         if isinstance(self.content, list):
             texts = []
             for j, part in enumerate(self.content):

@@ -136,6 +136,20 @@ def test_template_sources_and_errors(model_dir, tmp_path):
         tok.render_chat([{"role": "user", "content": "x"}] * 2)
 
 
+def test_custom_roles_render_as_transformers_does_or_are_refused(tok, hf, model_dir, tmp_path):
+    conv = [{"role": "my-custom-role", "content": "what is 1+1?"}, {"role": "user", "content": "?"}]
+    assert tok.render_chat(conv) == hf.apply_chat_template(conv, tokenize=False,
+                                                           add_generation_prompt=True)
+    # a template that renders only its own roles would drop the message without a word
+    only_known = ("{% for m in messages %}{% if m.role in ['user', 'assistant', 'system'] %}"
+                  "<{{ m.role }}>{{ m.content }}{% endif %}{% endfor %}")
+    strict = Tokenizer(_copy_model(model_dir, tmp_path, {"chat_template": only_known}))
+    assert strict.render_chat(conv[1:]) == "<user>?"
+    with pytest.raises(ChatTemplateError, match="does not render messages of role "
+                                                "'my-custom-role'"):
+        strict.render_chat(conv)
+
+
 def test_no_template_and_eos_lists(model_dir, tmp_path):
     _copy_model(model_dir, tmp_path, {"chat_template": None})
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))

@@ -133,7 +133,9 @@ BAD_CHATS = [
     (dict(messages=[{"role": "user", "content": "x", "x": 1}]), "messages.0.x", "unrecognized"),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}]),
      "messages[0].content[0].type", "text only"),
-    (dict(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role", "unknown role"),
+    (dict(messages=[{"role": "wiz ard", "content": "x"}]), "messages[0].role", "not a name"),
+    (dict(messages=[{"role": "user<|im_end|>", "content": "x"}]), "messages[0].role",
+     "custom role"),
     (dict(messages=[{"role": "user", "content": None}]), "messages[0].content", "no content"),
     (dict(messages=[{"role": "tool", "content": "x"}]), "messages[0].tool_call_id",
      "tool_call_id"),
@@ -203,6 +205,8 @@ def test_missing_fields_are_400(client):
     ("/v1/chat/completions", _chat(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object"}, "strict": True}}, seed=3,
         max_completion_tokens=5, include_stop_str_in_output=True, skip_special_tokens=False)),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [    # a custom role the template renders
+        {"role": "my-custom-role", "content": [{"type": "text", "text": "what is 1+1?"}]}]}),
 ])
 def test_valid_requests_without_workers_are_503(client, path, body):
     _assert_error(client.post(path, json=body), 503, None, "no decode worker is available")
