@@ -587,3 +587,21 @@ def test_beam_search_answers_hf_beams_through_the_stack(client, http, hf):
     assert [c["message"]["content"] for c in got] == [
         hf[0].decode(b, skip_special_tokens=True) for b in ref]
     assert [c["finish_reason"] for c in got] == ["stop" if b[-1] == 2 else "length" for b in ref]
+
+
+def test_top_logprobs_counts_as_vllm_gives_them(client):
+    """logprobs=k on completions: k alternatives per token, the chosen one added when it is not
+    among them (0: the chosen one alone); chat's top_logprobs: exactly k; none when not asked."""
+    base = dict(model=MODEL, prompt=[0, 0, 0, 0, 0], max_tokens=5, temperature=0)
+    for k, least, most in ((0, 1, 1), (5, 5, 6)):
+        lp = client.completions.create(**base, logprobs=k).choices[0].logprobs
+        assert len(lp.top_logprobs) == len(lp.token_logprobs) == 5
+        assert all(least <= len(t) <= most for t in lp.top_logprobs)
+        assert all(tok in t for tok, t in zip(lp.tokens, lp.top_logprobs))
+    assert client.completions.create(**base).choices[0].logprobs is None
+    chat = dict(model=MODEL, messages=ASK, max_completion_tokens=5, temperature=0)
+    for k in (0, 5):
+        content = client.chat.completions.create(**chat, logprobs=True,
+                                                 top_logprobs=k).choices[0].logprobs.content
+        assert len(content) == 5 and all(len(c.top_logprobs) == k for c in content)
+    assert client.chat.completions.create(**chat, logprobs=False).choices[0].logprobs is None
