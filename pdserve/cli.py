@@ -25,7 +25,7 @@ GATEWAY_PLUMBING = frozenset({"--host", "--http-port", "--grpc-port", "--redis-u
 SHARED_FLAGS = frozenset({"--model", "--served-model-name", "--log-level"})
 # Worker flags `up` defines itself, with a meaning of its own: --device also takes
 # PREFILL,DECODE and --gpu-memory-utilization 0 picks a share (launcher.place_workers);
-# --threads defaults to 1.
+# --threads 0 (the default) gives each CPU worker the host's cores (launcher.worker_threads).
 UP_OWN_FLAGS = frozenset({"--device", "--gpu-memory-utilization", "--threads"})
 # Flags `--prefill-args` & co. may not set: `up` gives them to each child and relies on them
 # (health checks, discovery, one model everywhere). Each maps to the `up` flag to use instead.
@@ -151,7 +151,10 @@ def _add_up(sub) -> None:
         "workers", "Passed to both workers unless marked; each means what it means in `pdserve "
                    "prefill -h` / `pdserve decode -h`. A flag not given keeps the worker's "
                    "default.")
-    workers.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    workers.add_argument("--threads", type=int, default=0,
+                         help="torch threads per worker (0: on CPUs every core of the host for "
+                              "each worker, split between its tensor-parallel ranks: the two "
+                              "take turns, one's idle cores go to the other; on GPUs 1)")
     workers.add_argument("--device", default="cpu",
                          help="cpu, cuda (the prefill worker on GPU 0, the decode worker on GPU 1 "
                               "when there are two, else both on GPU 0 sharing its memory), or "

@@ -235,6 +235,19 @@ def role_tensor_parallel(args, role: str) -> int:
     return size
 
 
+def worker_threads(requested: int, device: str, tensor_parallel: int = 1) -> int:
+    """`up --threads`: as given, or for 0 (the default) on CPUs every core this process may use
+    for each worker, split between its tensor-parallel ranks; on GPUs 1. The two workers share
+    the cores and take turns: while one has nothing to compute (the prefill worker once a
+    burst's prompts are done, the decode worker while it waits for their KV) the other's threads
+    use them (docs/performance.md, "Threads per worker")."""
+    if requested > 0:
+        return requested
+    if not device.startswith("cpu"):
+        return 1
+    return max(1, len(os.sched_getaffinity(0)) // max(1, tensor_parallel))
+
+
 def passthrough_args(args, role: str, **computed) -> list[str]:
     """The `up` flags given for ROLE as that role's flags (`--flag=value`, or `--flag` for a
     switch). `computed` replaces values `up` works out per role (--device)."""
@@ -264,7 +277,9 @@ def child_commands(args, model: Path, redis_url: str,
                             ("decode", args.decode_port, decode_dev)):
         commands[role] = cli + [
             role, *_common(args, model), "--port", str(port), "--redis-url", redis_url,
-            *passthrough_args(args, role, device=dev, gpu_memory_utilization=memory),
+            *passthrough_args(args, role, device=dev, gpu_memory_utilization=memory,
+                              threads=worker_threads(args.threads, dev,
+                                                     role_tensor_parallel(args, role))),
             *getattr(args, f"{role}_args")]
     commands["gateway"] = cli + [
         "gateway", *_common(args, model), "--http-port", str(args.http_port),

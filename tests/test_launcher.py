@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pdserve import cli
-from pdserve.launcher import child_commands
+from pdserve.launcher import child_commands, worker_threads
 from tests.stack import free_port
 from tests.up_process import STOP_TIMEOUT_S, Up, assert_all_gone, stream_chat
 
@@ -187,7 +187,21 @@ def test_flags_not_given_keep_each_processs_defaults(role):
     assert differ <= owned
     assert got["model"] == str(MODEL) and got["redis_url"] == REDIS
     if role != "gateway":
-        assert (got["threads"], got["device"], got["gpu_memory_utilization"]) == (1, "cpu", 0.9)
+        cores = len(os.sched_getaffinity(0))     # both workers take the host's cores
+        assert (got["threads"], got["device"], got["gpu_memory_utilization"]) \
+            == (cores, "cpu", 0.9)
+
+
+def test_threads_default_to_the_hosts_cores_on_cpus_and_1_on_gpus(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert worker_threads(0, "cpu") == 8 and worker_threads(0, "cpu", 2) == 4
+    assert worker_threads(0, "cpu", 16) == 1
+    assert worker_threads(0, "cuda:1") == 1 and worker_threads(3, "cpu") == 3
+    tp = _commands("--tensor-parallel-size", "2")
+    assert _parsed(tp, "prefill").threads == _parsed(tp, "decode").threads == 4
+    assert _parsed(_commands("--threads", "1"), "decode").threads == 1
+    pinned = _commands("--decode-args=--threads 2")
+    assert (_parsed(pinned, "prefill").threads, _parsed(pinned, "decode").threads) == (8, 2)
 
 
 def test_up_flags_keep_their_meaning():
