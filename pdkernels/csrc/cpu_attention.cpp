@@ -12,12 +12,16 @@
 // Work: one task per sequence and run of up to kMaxRows rows, parallel with OpenMP on the
 // caller's thread count. A row is a (query, head) pair; a run holds every head of its queries, so
 // each K/V row loaded (all KV heads of a token, contiguous) serves every query head, and each
-// block is read whole, in address order, while the next one is prefetched (a block per KV head
-// would read a third of each block's lines per pass and leave the prefetcher nothing to follow,
-// several times slower: docs/performance.md, "CPU attention"). For each KV block: scores of
-// every row against its keys, then an online softmax in fp32 (running max and sum per row) and
-// the weighted V rows added into the row accumulators. exp is a vectorized Cephes-style
-// polynomial (relative error ~2e-7); masked keys contribute exactly 0.
+// block is read whole, in address order (a block per KV head would read a third of each block's
+// lines per pass and leave the prefetcher nothing to follow, several times slower:
+// docs/performance.md, "CPU attention"). Two passes over a run's context: the scores of every
+// row against every key (the K blocks in table order, four keys at a time, their sums reduced
+// together), one exact softmax per row in fp32, then the weighted V rows added into the row
+// accumulators (the V blocks in table order, 32 columns of up to 3 rows in registers). The
+// blocks kAhead ahead in that stream (K blocks, then V blocks) are prefetched into L2 while one
+// is computed on: into L1 (T0), a core keeps few lines in flight and at batch 64 it read the KV
+// cache at 6 GB/s, 1.6x slower (docs/performance.md, "CPU attention"). exp is a vectorized
+// Cephes-style polynomial (relative error ~2e-7); masked keys contribute exactly 0.
 //
 // Plain C ABI (no torch headers), loaded with ctypes by pdkernels/cpu_attention.py.
 
@@ -32,7 +36,7 @@
 namespace {
 
 constexpr int kMaxRows = 16;     // rows (query x head) per pass over a sequence's context
-constexpr int kMaxBlock = 64;    // largest block_size handled (scores of one block per row)
+constexpr int kMaxBlock = 64;    // largest block_size taken (the prefetch distance is in blocks)
 
 inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -72,33 +76,46 @@ struct Layer {
     int64_t block_size, head_dim;
 };
 
-inline void prefetch(const float* p, int64_t bytes) {
+constexpr int kAhead = 2;        // blocks read ahead of the one computed on
+
+// The 64-byte lines [from, to) of a block (bytes), into L2.
+inline void prefetch(const float* p, int64_t from, int64_t to) {
     const char* c = reinterpret_cast<const char*>(p);
-    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+    for (int64_t off = from; off < to; off += 64) _mm_prefetch(c + off, _MM_HINT_T1);
 }
 
-// Scores of N rows that share a KV head (queries qb[i * D ..], pre-scaled) against the n keys of
-// one block: each key row is loaded once for the N rows, N independent FMA chains.
+// Four key sums per row of accumulators a[0..3] -> [s0 s1 s2 s3].
+inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// Scores s[i][t] = q_i . k_t of N rows that share a KV head (queries qb[i * D ..], pre-scaled)
+// against the n keys of one block: KT keys at a time, N x KT independent FMA chains, each key
+// row loaded once for the N rows, the KT sums of a row reduced together into one vector.
 template <int N>
 inline void score(const float* qb, const float* kb, int64_t stride_s, int64_t n, int64_t D,
-                  float (*s)[kMaxBlock], const int64_t* limit, int64_t start) {
+                  float* s, int64_t s_stride) {
+    constexpr int KT = N <= 3 ? 4 : 2;           // N * KT accumulators, of 16 registers
     int64_t t = 0;
-    for (; t + 2 <= n; t += 2) {                 // two keys at a time: 2N independent chains
-        const float* k0 = kb + t * stride_s;
-        const float* k1 = k0 + stride_s;
-        __m256 a[N], b[N];
-        for (int i = 0; i < N; ++i) a[i] = b[i] = _mm256_setzero_ps();
+    for (; t + KT <= n; t += KT) {
+        __m256 a[N][KT];
+        for (int i = 0; i < N; ++i)
+            for (int j = 0; j < KT; ++j) a[i][j] = _mm256_setzero_ps();
         for (int64_t d = 0; d < D; d += 8) {
-            const __m256 x0 = _mm256_loadu_ps(k0 + d), x1 = _mm256_loadu_ps(k1 + d);
+            __m256 x[KT];
+            for (int j = 0; j < KT; ++j) x[j] = _mm256_loadu_ps(kb + (t + j) * stride_s + d);
             for (int i = 0; i < N; ++i) {
                 const __m256 qv = _mm256_loadu_ps(qb + i * D + d);
-                a[i] = _mm256_fmadd_ps(qv, x0, a[i]);
-                b[i] = _mm256_fmadd_ps(qv, x1, b[i]);
+                for (int j = 0; j < KT; ++j) a[i][j] = _mm256_fmadd_ps(qv, x[j], a[i][j]);
             }
         }
         for (int i = 0; i < N; ++i) {
-            s[i][t] = start + t < limit[i] ? hsum(a[i]) : -INFINITY;
-            s[i][t + 1] = start + t + 1 < limit[i] ? hsum(b[i]) : -INFINITY;
+            if constexpr (KT == 4) {
+                _mm_storeu_ps(s + i * s_stride + t, reduce4(a[i][0], a[i][1], a[i][2], a[i][3]));
+            } else {
+                for (int j = 0; j < KT; ++j) s[i * s_stride + t + j] = hsum(a[i][j]);
+            }
         }
     }
     for (; t < n; ++t) {
@@ -110,45 +127,40 @@ inline void score(const float* qb, const float* kb, int64_t stride_s, int64_t n,
             for (int i = 0; i < N; ++i)
                 a[i] = _mm256_fmadd_ps(_mm256_loadu_ps(qb + i * D + d), k, a[i]);
         }
-        for (int i = 0; i < N; ++i) s[i][t] = start + t < limit[i] ? hsum(a[i]) : -INFINITY;
+        for (int i = 0; i < N; ++i) s[i * s_stride + t] = hsum(a[i]);
     }
 }
 
-// acc[i] += sum_t p[i][t] * v[t] for N rows sharing a KV head, 8 columns at a time held in
-// registers across the block's keys (each V row loaded once for the N rows).
+// acc[i][d] += sum_t p[i][t] * v[t][d] for N rows sharing a KV head and the n keys of one block,
+// C columns at a time held in registers across the block's keys (each V row loaded once for
+// the N rows).
+template <int N, int C>
+inline void accumulate_cols(float* acc, const float* vb, int64_t stride_s, int64_t n, int64_t D,
+                            const float* p, int64_t p_stride, int64_t d) {
+    constexpr int R = C / 8;
+    __m256 a[N][R];
+    for (int i = 0; i < N; ++i)
+        for (int c = 0; c < R; ++c) a[i][c] = _mm256_loadu_ps(acc + i * D + d + 8 * c);
+    for (int64_t t = 0; t < n; ++t) {
+        __m256 x[R];
+        for (int c = 0; c < R; ++c) x[c] = _mm256_loadu_ps(vb + t * stride_s + d + 8 * c);
+        for (int i = 0; i < N; ++i) {
+            const __m256 w = _mm256_broadcast_ss(p + i * p_stride + t);
+            for (int c = 0; c < R; ++c) a[i][c] = _mm256_fmadd_ps(w, x[c], a[i][c]);
+        }
+    }
+    for (int i = 0; i < N; ++i)
+        for (int c = 0; c < R; ++c) _mm256_storeu_ps(acc + i * D + d + 8 * c, a[i][c]);
+}
+
 template <int N>
 inline void accumulate(float* acc, const float* vb, int64_t stride_s, int64_t n, int64_t D,
-                       float (*p)[kMaxBlock]) {
+                       const float* p, int64_t p_stride) {
+    constexpr int C = N <= 3 ? 32 : 16;          // N * C / 8 accumulators, of 16 registers
     int64_t d = 0;
-    for (; d + 16 <= D; d += 16) {              // two column chunks: 2N independent chains
-        __m256 a[N], b[N];
-        for (int i = 0; i < N; ++i) {
-            a[i] = _mm256_loadu_ps(acc + i * D + d);
-            b[i] = _mm256_loadu_ps(acc + i * D + d + 8);
-        }
-        for (int64_t t = 0; t < n; ++t) {
-            const __m256 v0 = _mm256_loadu_ps(vb + t * stride_s + d);
-            const __m256 v1 = _mm256_loadu_ps(vb + t * stride_s + d + 8);
-            for (int i = 0; i < N; ++i) {
-                const __m256 w = _mm256_set1_ps(p[i][t]);
-                a[i] = _mm256_fmadd_ps(w, v0, a[i]);
-                b[i] = _mm256_fmadd_ps(w, v1, b[i]);
-            }
-        }
-        for (int i = 0; i < N; ++i) {
-            _mm256_storeu_ps(acc + i * D + d, a[i]);
-            _mm256_storeu_ps(acc + i * D + d + 8, b[i]);
-        }
-    }
-    for (; d < D; d += 8) {
-        __m256 a[N];
-        for (int i = 0; i < N; ++i) a[i] = _mm256_loadu_ps(acc + i * D + d);
-        for (int64_t t = 0; t < n; ++t) {
-            const __m256 v = _mm256_loadu_ps(vb + t * stride_s + d);
-            for (int i = 0; i < N; ++i) a[i] = _mm256_fmadd_ps(_mm256_set1_ps(p[i][t]), v, a[i]);
-        }
-        for (int i = 0; i < N; ++i) _mm256_storeu_ps(acc + i * D + d, a[i]);
-    }
+    for (; d + C <= D; d += C) accumulate_cols<N, C>(acc, vb, stride_s, n, D, p, p_stride, d);
+    for (; d + 16 <= D; d += 16) accumulate_cols<N, 16>(acc, vb, stride_s, n, D, p, p_stride, d);
+    for (; d < D; d += 8) accumulate_cols<N, 8>(acc, vb, stride_s, n, D, p, p_stride, d);
 }
 
 template <typename F>
@@ -161,47 +173,41 @@ inline void by_width(int n, F f) {   // f(std::integral_constant<int, n>) for n 
     }
 }
 
-// Online softmax update of one row for a block's scores s[0..n): rescales the row's
-// accumulator, leaves the weights exp(s - max) in s.
-inline void softmax_block(float* s, int64_t n, float& m, float& l, float* acc, int64_t D) {
-    float mx = m;
-    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
-    if (mx == -INFINITY) {                      // nothing visible yet for this row
-        for (int64_t t = 0; t < n; ++t) s[t] = 0.0f;
-        return;
+// Softmax of one row's scores s[0, limit) in place, s[limit, padded) set to 0 (padded: a
+// multiple of 8); returns the sum of the unnormalized weights exp(s - max).
+inline float softmax_row(float* s, int64_t limit, int64_t padded) {
+    for (int64_t t = limit; t < padded; ++t) s[t] = -INFINITY;
+    __m256 vmx = _mm256_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < padded; t += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(s + t));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmx), _mm256_extractf128_ps(vmx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float mx = _mm_cvtss_f32(m4);
+    if (mx == -INFINITY) {                        // no visible key (cannot happen: limit >= 1)
+        std::fill(s, s + padded, 0.0f);
+        return 0.0f;
     }
-    const float alpha = m == -INFINITY ? 0.0f : std::exp(m - mx);
-    m = mx;
-    const __m256 vmx = _mm256_set1_ps(mx);
+    vmx = _mm256_set1_ps(mx);
     __m256 sum = _mm256_setzero_ps();
-    int64_t t = 0;
-    for (; t + 8 <= n; t += 8) {
+    for (int64_t t = 0; t < padded; t += 8) {
         const __m256 p = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + t), vmx));
         _mm256_storeu_ps(s + t, p);
         sum = _mm256_add_ps(sum, p);
     }
-    float total = hsum(sum);
-    for (; t < n; ++t) {
-        s[t] = s[t] == -INFINITY ? 0.0f : std::exp(s[t] - mx);
-        total += s[t];
-    }
-    l = l * alpha + total;
-    if (alpha != 1.0f) {
-        const __m256 va = _mm256_set1_ps(alpha);
-        for (int64_t d = 0; d < D; d += 8)
-            _mm256_storeu_ps(acc + d, _mm256_mul_ps(_mm256_loadu_ps(acc + d), va));
-    }
+    return hsum(sum);
 }
 
 // Rows [r0, r0 + nr) of one sequence; row r = query (r / heads), head (r % heads). Rows of one
 // query and KV head are consecutive: they are scored and accumulated together, up to 4 at once.
+// Two passes over the context: every key's score (K blocks, in table order), one exact softmax
+// per row, then the weighted V rows (V blocks, in table order); the blocks kAhead ahead in that
+// stream (K blocks, then V blocks) are prefetched a share per group while one is computed on.
 void attend_rows(const Layer& L, const int32_t* table, int64_t context, int64_t heads,
                  int64_t qpk, int64_t r0, int nr, const float* q, int64_t q_st, int64_t q_sh,
                  int64_t q_row0, float* out, int64_t o_st, int64_t o_sh, float scale,
-                 float* acc, float* qbuf) {
+                 float* acc, float* qbuf, std::vector<float>& sbuf) {
     const int64_t D = L.head_dim, bs = L.block_size;
     int64_t limit[kMaxRows], koff[kMaxRows];
-    float m[kMaxRows], l[kMaxRows];
     int64_t kv_end = 0;
     for (int r = 0; r < nr; ++r) {
         const int64_t j = (r0 + r) / heads, h = (r0 + r) % heads;
@@ -210,62 +216,62 @@ void attend_rows(const Layer& L, const int32_t* table, int64_t context, int64_t 
         for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = src[d] * scale;
         limit[r] = context + j + 1;                   // keys [0, limit) are visible
         kv_end = std::max(kv_end, limit[r]);
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
         std::fill(acc + r * D, acc + (r + 1) * D, 0.0f);
     }
-    int group_start[kMaxRows + 1], groups = 0;         // runs of <= 4 rows sharing koff, limit
+    int group_start[kMaxRows + 1], groups = 0;         // runs of <= 4 rows sharing koff
     for (int r = 0; r < nr; ++r)
-        if (r == 0 || koff[r] != koff[r - 1] || limit[r] != limit[r - 1] ||
-            r - group_start[groups - 1] == 4)
+        if (r == 0 || koff[r] != koff[r - 1] || r - group_start[groups - 1] == 4)
             group_start[groups++] = r;
     group_start[groups] = nr;
-    alignas(32) float s[kMaxRows][kMaxBlock];
+    const int64_t nblocks = (kv_end + bs - 1) / bs;
+    const int64_t padded = (nblocks * bs + 7) / 8 * 8;
+    if (static_cast<int64_t>(sbuf.size()) < nr * padded) sbuf.resize(nr * padded);
+    float* s = sbuf.data();
     const int64_t block_bytes = bs * L.stride_s * static_cast<int64_t>(sizeof(float));
-    for (int64_t start = 0; start < kv_end; start += bs) {
-        const int64_t n = std::min(bs, kv_end - start);
-        const int64_t base = static_cast<int64_t>(table[start / bs]) * L.stride_b;
-        // the next block is prefetched a share per group while this one is scored (all of it
-        // at once would fill the line buffers and stall the arithmetic behind it)
-        const float* next_k = nullptr;
-        const float* next_v = nullptr;
-        int64_t share = 0;
-        if (start + bs < kv_end) {
-            const int64_t next = static_cast<int64_t>(table[start / bs + 1]) * L.stride_b;
-            next_k = L.k + next;
-            next_v = L.v + next;
-            share = (block_bytes / 4 + groups - 1) / groups;      // floats per group
-            share = (share + 15) / 16 * 16;                       // whole lines
-        }
+    const int64_t share = (block_bytes / groups + 63) / 64 * 64;
+    // block i of the stream: K block i (i < nblocks), V block i - nblocks, then nothing
+    auto stream_block = [&](int64_t i) -> const float* {
+        if (i >= 2 * nblocks) return nullptr;
+        const float* base = i < nblocks ? L.k : L.v;
+        return base + static_cast<int64_t>(table[i % nblocks]) * L.stride_b;
+    };
+    for (int64_t i = 0; i < std::min<int64_t>(kAhead, 2 * nblocks); ++i)
+        prefetch(stream_block(i), 0, block_bytes);
+    for (int64_t b = 0; b < nblocks; ++b) {
+        const int64_t start = b * bs, n = std::min(bs, kv_end - start);
+        const float* kb = L.k + static_cast<int64_t>(table[b]) * L.stride_b;
+        const float* ahead = stream_block(b + kAhead);
         for (int g = 0; g < groups; ++g) {
             const int r = group_start[g];
             by_width(group_start[g + 1] - r, [&](auto w) {
-                score<decltype(w)::value>(qbuf + r * D, L.k + base + koff[r], L.stride_s, n, D,
-                                          s + r, limit + r, start);
+                score<decltype(w)::value>(qbuf + r * D, kb + koff[r], L.stride_s, n, D,
+                                          s + r * padded + start, padded);
             });
-            if (share) {
-                const int64_t off = g * share;
-                const int64_t len = std::min(share, block_bytes / 4 - off) * 4;
-                if (len > 0) {
-                    prefetch(next_k + off, len);
-                    prefetch(next_v + off, len);
-                }
-            }
+            if (ahead) prefetch(ahead, g * share, std::min(block_bytes, (g + 1) * share));
         }
-        for (int r = 0; r < nr; ++r) softmax_block(s[r], n, m[r], l[r], acc + r * D, D);
+    }
+    float inv[kMaxRows];
+    for (int r = 0; r < nr; ++r) {
+        const float l = softmax_row(s + r * padded, limit[r], padded);
+        inv[r] = l > 0.0f ? 1.0f / l : 0.0f;
+    }
+    for (int64_t b = 0; b < nblocks; ++b) {
+        const int64_t start = b * bs, n = std::min(bs, kv_end - start);
+        const float* vb = L.v + static_cast<int64_t>(table[b]) * L.stride_b;
+        const float* ahead = stream_block(nblocks + b + kAhead);
         for (int g = 0; g < groups; ++g) {
             const int r = group_start[g];
             by_width(group_start[g + 1] - r, [&](auto w) {
-                accumulate<decltype(w)::value>(acc + r * D, L.v + base + koff[r], L.stride_s, n,
-                                               D, s + r);
+                accumulate<decltype(w)::value>(acc + r * D, vb + koff[r], L.stride_s, n, D,
+                                               s + r * padded + start, padded);
             });
+            if (ahead) prefetch(ahead, g * share, std::min(block_bytes, (g + 1) * share));
         }
     }
     for (int r = 0; r < nr; ++r) {
         const int64_t j = (r0 + r) / heads, h = (r0 + r) % heads;
         float* dst = out + (q_row0 + j) * o_st + h * o_sh;
-        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
+        for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv[r];
     }
 }
 
@@ -294,7 +300,7 @@ int pdserve_paged_attention(const float* q, int64_t q_st, int64_t q_sh, const fl
     const int64_t tasks = starts[num_seqs];
 #pragma omp parallel num_threads(threads)
     {
-        std::vector<float> acc(kMaxRows * head_dim), qbuf(kMaxRows * head_dim);
+        std::vector<float> acc(kMaxRows * head_dim), qbuf(kMaxRows * head_dim), sbuf;
         int64_t i = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; ++task) {
@@ -305,7 +311,7 @@ int pdserve_paged_attention(const float* q, int64_t q_st, int64_t q_sh, const fl
             const int nr = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
             attend_rows(L, tables + i * table_stride, seq_lens[i] - q_lens[i], num_heads, qpk,
                         r0, nr, q, q_st, q_sh, q_start[i], out, o_st, o_sh, scale, acc.data(),
-                        qbuf.data());
+                        qbuf.data(), sbuf);
         }
     }
     return 0;
