@@ -71,12 +71,13 @@ def add_cpu_paths(p: argparse.ArgumentParser) -> None:
                    help="the linear layers' CPU path: avx2 (our kernel: any x86 CPU with AVX2 "
                         "and FMA, AVX-512 ones too), onednn (torch's oneDNN packed linear; "
                         "float weights only), torch (F.linear; integer weights dequantized); "
-                        "auto: what measured fastest on this kind of host (README: avx2 where "
-                        "the best ISA is AVX2, onednn on AVX-512 hosts)")
+                        "auto: what measured fastest on this kind of host (avx2 where the best "
+                        "ISA is AVX2 and on AMD Zen 4, onednn on other AVX-512 hosts)")
     p.add_argument("--cpu-attention", default="auto", choices=CPU_ATTENTION,
                    help="the torch attention backend's path for decodes and short queries on "
                         "CPUs: avx2 (our kernel, blocks read in place), sdpa (gather + torch "
-                        "SDPA); auto: avx2 where the best ISA is AVX2, sdpa elsewhere")
+                        "SDPA); auto: avx2 where the best ISA is AVX2 and on AMD Zen 4, sdpa on "
+                        "other AVX-512 hosts")
 
 
 def add_worker(p: argparse.ArgumentParser, role: str, port: int) -> None:
