@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
 
 from pdkernels import cpu_build
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
 
@@ -30,10 +27,9 @@ SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
 def _library() -> ctypes.CDLL | None:
     if not cpu_build.avx2_capable():
         return None
-    try:
-        lib = ctypes.CDLL(str(cpu_build.build(SOURCE, cpu_build.AVX2_FLAGS)))
-    except (OSError, RuntimeError) as e:
-        log.warning("CPU attention kernel unavailable, using torch's: %s", e)
+    lib = cpu_build.load(SOURCE, cpu_build.AVX2_FLAGS,
+                         "CPU attention kernel (torch's attention used instead)")
+    if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.pdserve_paged_attention.argtypes = [

@@ -8,6 +8,7 @@ start at once: each compiles to a file of its own and renames it into place (ato
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -23,6 +24,8 @@ import torch
 log = logging.getLogger(__name__)
 
 AVX2_FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
+AVX512_FLAGS = ["-O3", "-std=c++17", "-mavx512f", "-mavx2", "-mfma", "-fopenmp", "-fPIC",
+                "-shared"]
 
 
 def cache_dir() -> Path:
@@ -62,6 +65,13 @@ def avx2_capable() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
+def avx512_capable() -> bool:
+    """An x86-64 CPU that can run the AVX-512F kernels (Intel since Skylake-SP, AMD since
+    Zen 4)."""
+    flags = cpu_flags() if _x86() else None
+    return bool(flags) and {"avx512f", "avx2", "fma"} <= flags
+
+
 def avx2_host() -> bool:
     """An x86-64 CPU whose best vector ISA, as torch sees it, is AVX2 (on AVX-512 and AMX hosts
     the AVX2 kernels still run, when asked for)."""
@@ -85,15 +95,34 @@ ZEN4_FAMILY = "25"   # AMD family 19h: Zen 3 (no AVX-512) and Zen 4 (AVX-512 on 
 
 
 def kernels_preferred() -> bool:
-    """Where the engine picks the AVX2 kernels (linear and attention) by default: hosts whose
-    best ISA is AVX2, and AMD Zen 4 hosts, whose AVX-512 runs on 256-bit units, so 256-bit code
-    loses no width there and our kernels measured faster than oneDNN and gather + SDPA
-    (docs/performance.md, "CPU paths side by side"). Other AVX-512 / AMX hosts (Intel, Zen 5's
-    full-width units) keep oneDNN and SDPA until measured."""
+    """Where the engine picks our kernels (linear and attention) by default: hosts whose best
+    ISA is AVX2; AMD Zen 4 hosts, whose AVX-512 runs on 256-bit units, so 256-bit code loses no
+    width there; and Intel AVX-512 hosts, where the linear kernel runs its AVX-512 build
+    (`intel_avx512_host`). Each measured faster than oneDNN and gather + SDPA
+    (docs/performance.md, "CPU paths side by side"). Zen 5 (full-width units) keeps oneDNN and
+    SDPA until measured."""
     if not (_x86() and avx2_capable()):
         return False
-    return avx2_host() or (cpuinfo_field("vendor_id") == "AuthenticAMD"
-                           and cpuinfo_field("cpu family") == ZEN4_FAMILY)
+    return avx2_host() or intel_avx512_host() or (
+        cpuinfo_field("vendor_id") == "AuthenticAMD" and cpuinfo_field("cpu family") == ZEN4_FAMILY)
+
+
+def intel_avx512_host() -> bool:
+    """An Intel CPU with AVX-512F (Skylake-SP and later: two full-width FMA units on most
+    server parts), where the engine picks the AVX-512 build of our linear kernel by default
+    and our AVX2 attention kernel, as measured faster than oneDNN, our AVX2 linear and gather +
+    SDPA there (docs/performance.md, "CPU paths side by side")."""
+    return avx512_capable() and cpuinfo_field("vendor_id") == "GenuineIntel"
+
+
+def load(source: Path, flags: list[str], what: str) -> ctypes.CDLL | None:
+    """`source` built with `flags` and loaded, or None with a warning naming `what` and why
+    (no compiler, a failed build, a library that does not load)."""
+    try:
+        return ctypes.CDLL(str(build(source, flags)))
+    except (OSError, RuntimeError) as e:
+        log.warning("%s unavailable: %s", what, e)
+        return None
 
 
 def build(source: Path, flags: list[str], out_dir: Path | None = None) -> Path:

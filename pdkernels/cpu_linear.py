@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_linear.cpp"
 FLAGS = cpu_build.AVX2_FLAGS
+SOURCE_AVX512 = Path(__file__).with_name("csrc") / "cpu_linear_avx512.cpp"
+ISAS = ("avx2", "avx512")   # the fp32 kernel's builds: the same panels, the same bits
 PANEL = 16   # output features per packed panel (kept in step with kPanel in the source)
 
 
@@ -59,10 +61,16 @@ def cpu_supported() -> bool:
 
 
 def preferred() -> bool:
-    """Whether the engine picks this kernel by default for float weights: where the host's best
-    vector ISA is AVX2, and AMD Zen 4 hosts (pdkernels.cpu_build.kernels_preferred), as
-    measured (docs/performance.md)."""
+    """Whether the engine picks this kernel (one of its builds) by default for float weights:
+    where the host's best vector ISA is AVX2, AMD Zen 4 and Intel AVX-512 hosts
+    (pdkernels.cpu_build.kernels_preferred), as measured (docs/performance.md)."""
     return cpu_build.kernels_preferred()
+
+
+def preferred_avx512() -> bool:
+    """Whether the engine picks the AVX-512 build by default for float weights: Intel AVX-512
+    hosts (pdkernels.cpu_build.intel_avx512_host), as measured (docs/performance.md)."""
+    return cpu_build.intel_avx512_host() and available_avx512()
 
 
 def build(out_dir: Path | None = None) -> Path:
@@ -74,10 +82,8 @@ def build(out_dir: Path | None = None) -> Path:
 def _library() -> ctypes.CDLL | None:
     if not cpu_supported():
         return None
-    try:
-        lib = ctypes.CDLL(str(build()))
-    except (OSError, RuntimeError) as e:
-        log.warning("CPU linear kernel unavailable, using torch's: %s", e)
+    lib = cpu_build.load(SOURCE, FLAGS, "CPU linear kernel (torch's linear used instead)")
+    if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.pdserve_linear_pack.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
@@ -94,6 +100,29 @@ def _library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return _library() is not None
+
+
+@functools.lru_cache(maxsize=1)
+def _library512() -> ctypes.CDLL | None:
+    """The fp32 kernel built for AVX-512F (csrc/cpu_linear_avx512.cpp): the AVX2 kernel's
+    panels, two of them per pass of up to 12 rows in 512-bit registers."""
+    if not (cpu_build.avx512_capable() and available()):   # packing is the AVX2 library's
+        return None
+    lib = cpu_build.load(SOURCE_AVX512, cpu_build.AVX512_FLAGS, "AVX-512 CPU linear kernel")
+    if lib is None:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.pdserve_linear512.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.pdserve_linear512_panel.restype = i64
+    if lib.pdserve_linear512_panel() != PANEL:
+        log.warning("AVX-512 CPU linear kernel: panel width mismatch")
+        return None
+    return lib
+
+
+def available_avx512() -> bool:
+    """Whether the AVX-512 build runs here (an AVX-512F CPU, a compiler that builds it)."""
+    return _library512() is not None
 
 
 def _check(t: torch.Tensor, what: str) -> None:
@@ -208,15 +237,19 @@ def pad_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x[..., K] @ W.T (+ bias) with W from `pack` and bias from `pad_bias`."""
-    lib = _library()
+           bias: torch.Tensor | None = None, isa: str = "avx2") -> torch.Tensor:
+    """x[..., K] @ W.T (+ bias) with W from `pack` and bias from `pad_bias`, computed by the
+    kernel's `isa` build ("avx2", or "avx512" where `available_avx512()`): the same bits."""
+    if isa not in ISAS:
+        raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
+    lib = _library() if isa == "avx2" else _library512()
     if lib is None:
-        raise RuntimeError("CPU linear kernel unavailable (see available())")
+        raise RuntimeError(f"CPU linear kernel ({isa}) unavailable (see available())")
+    fn = lib.pdserve_linear if isa == "avx2" else lib.pdserve_linear512
     _check(x, "input")
     k = x.shape[-1]
     if packed.numel() != -(-out_features // PANEL) * PANEL * k:
         raise ValueError(f"packed weight does not hold {out_features} x {k}")
-    return _rows(x, out_features, lambda x2, m, y: lib.pdserve_linear(
+    return _rows(x, out_features, lambda x2, m, y: fn(
         x2.data_ptr(), m, k, packed.data_ptr(), out_features,
         bias.data_ptr() if bias is not None else None, y.data_ptr(), torch.get_num_threads()))

@@ -13,7 +13,7 @@ from cluster.tracing import PROTOCOLS as OTLP_PROTOCOLS
 # engine.config.QUANTIZATION_CHOICES (written out here: --help does not import torch)
 QUANTIZATION_CHOICES = ["none", "int8", "gptq", "awq", "compressed-tensors", "w4a16", "w8a8"]
 # engine.config.LINEAR_METHODS and CPU_ATTENTION, likewise
-LINEAR_METHODS = ["auto", "avx2", "onednn", "torch"]
+LINEAR_METHODS = ["auto", "avx2", "avx512", "onednn", "torch"]
 CPU_ATTENTION = ["auto", "avx2", "sdpa"]
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -69,15 +69,17 @@ def add_cpu_paths(p: argparse.ArgumentParser) -> None:
     """--linear-method and --cpu-attention: force a CPU path (workers, stepbench)."""
     p.add_argument("--linear-method", default="auto", choices=LINEAR_METHODS,
                    help="the linear layers' CPU path: avx2 (our kernel: any x86 CPU with AVX2 "
-                        "and FMA, AVX-512 ones too), onednn (torch's oneDNN packed linear; "
+                        "and FMA, AVX-512 ones too), avx512 (the same kernel built for AVX-512F: "
+                        "the same results), onednn (torch's oneDNN packed linear; "
                         "float weights only), torch (F.linear; integer weights dequantized); "
                         "auto: what measured fastest on this kind of host (avx2 where the best "
-                        "ISA is AVX2 and on AMD Zen 4, onednn on other AVX-512 hosts)")
+                        "ISA is AVX2 and on AMD Zen 4, avx512 on Intel AVX-512 hosts, onednn on "
+                        "other AVX-512 hosts)")
     p.add_argument("--cpu-attention", default="auto", choices=CPU_ATTENTION,
                    help="the torch attention backend's path for decodes and short queries on "
                         "CPUs: avx2 (our kernel, blocks read in place), sdpa (gather + torch "
-                        "SDPA); auto: avx2 where the best ISA is AVX2 and on AMD Zen 4, sdpa on "
-                        "other AVX-512 hosts")
+                        "SDPA); auto: avx2 where the best ISA is AVX2, on AMD Zen 4 and on "
+                        "Intel AVX-512 hosts, sdpa on other AVX-512 hosts")
 
 
 def add_worker(p: argparse.ArgumentParser, role: str, port: int) -> None:

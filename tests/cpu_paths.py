@@ -1,6 +1,6 @@
 """The CPU paths a worker can be forced onto, as pytest parameters: every test that goes over
 them runs each path this host can run and says why it skips the others (an AVX-512 host runs
-the AVX2 kernels and oneDNN; an AVX2-only host runs oneDNN too)."""
+the AVX2 kernels, their AVX-512 build and oneDNN; an AVX2-only host runs oneDNN too)."""
 
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ def _why_not(fn) -> str | None:
 
 
 def linear_params(quantization: str = "none") -> list:
-    """--linear-method avx2, onednn, torch, each skipped (saying why) where it cannot run."""
+    """--linear-method avx2, avx512, onednn, torch, each skipped (saying why) where it cannot
+    run."""
     out = []
-    for name in ("avx2", "onednn", "torch"):
+    for name in ("avx2", "avx512", "onednn", "torch"):
         why = _why_not(lambda: linear_method_for(CPU, torch.float32, quantization, name))
         out.append(pytest.param(name, id=f"linear-{name}",
                                 marks=pytest.mark.skipif(why is not None, reason=why or "")))

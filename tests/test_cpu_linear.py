@@ -1,4 +1,5 @@
-"""The AVX2 linear kernel against its torch reference, and the engine's choice of backend."""
+"""The AVX2 linear kernel against its torch reference, its AVX-512 build against it (the same
+bits), and the engine's choice of backend."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.linear import (Avx2Method, DenseMethod, Int8Method, Linear, MergedLinear,
-                                  OneDnnMethod, linear_method_for, onednn_available, packed_copy,
-                                  runnable_linear_methods)
+from engine.layers.linear import (Avx2Method, Avx512Method, DenseMethod, Int8Method, Linear,
+                                  MergedLinear, OneDnnMethod, linear_method_for, onednn_available,
+                                  packed_copy, runnable_linear_methods)
 from engine.weights import weight_bytes
 from pdkernels import cpu_build, cpu_linear
 from tests.cpu_paths import linear_params
@@ -18,6 +19,8 @@ CPU = torch.device("cpu")
 
 needs_kernel = pytest.mark.skipif(not cpu_linear.cpu_supported(),
                                   reason="the kernel needs an x86 CPU with AVX2 and FMA")
+needs_avx512 = pytest.mark.skipif(not cpu_build.avx512_capable(),
+                                  reason="the AVX-512 build needs an x86 CPU with AVX-512F")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -64,6 +67,48 @@ def test_matches_torch(m, n, k, with_bias):
     assert y.shape == (m, n) and y.dtype == torch.float32
     # fp32 sums of k products of unit-scale terms: error grows like sqrt(k) ulps
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=2e-6 * k ** 0.5)
+
+
+@needs_avx512
+def test_avx512_build_is_there_on_an_avx512_host():
+    # A silent fallback would leave the path `auto` takes on Intel AVX-512 hosts untested.
+    assert cpu_linear.available_avx512()
+    assert "avx512" in runnable_linear_methods(CPU, torch.float32)
+
+
+@needs_avx512
+@pytest.mark.parametrize("m", [1, 2, 5, 11, 12, 13, 24, 25, 37, 64, 100])
+@pytest.mark.parametrize("n,k", [(16, 8), (32, 24), (48, 64), (40, 100), (1, 5), (960, 576),
+                                 (17, 1536)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_avx512_build_gives_the_avx2_kernels_bits(m, n, k, threads):
+    # The same fused multiply-adds in the same order per output: one panel or two per pass, 1
+    # to 12 rows per pass, a last panel cut short, any thread count.
+    x, w, b = _case(m, n, k, with_bias=(m + n) % 2 == 0)
+    packed, bias = cpu_linear.pack(w), cpu_linear.pad_bias(b)
+    want = cpu_linear.linear(x, packed, n, bias)
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_linear.linear(x, packed, n, bias, isa="avx512")
+    finally:
+        torch.set_num_threads(1)
+    assert torch.equal(got, want)
+
+
+@needs_avx512
+def test_avx512_rows_do_not_depend_on_their_batch():
+    w = torch.randn(200, 576)
+    packed = cpu_linear.pack(w)
+    x = torch.randn(29, 576)
+    full = cpu_linear.linear(x, packed, 200, isa="avx512")
+    for i in (0, 11, 12, 13, 28):
+        assert torch.equal(cpu_linear.linear(x[i:i + 1], packed, 200, isa="avx512")[0], full[i])
+    assert torch.equal(cpu_linear.linear(x[3:20], packed, 200, isa="avx512"), full[3:20])
+
+
+def test_unknown_isa_is_refused():
+    with pytest.raises(ValueError, match="isa must be one of"):
+        cpu_linear.linear(torch.randn(1, 8), torch.zeros(16 * 8), 16, isa="sse")
 
 
 @needs_kernel
@@ -151,11 +196,18 @@ def test_forced_methods_that_cannot_run_are_refused_by_name(monkeypatch):
 
 
 def test_auto_picks_by_the_hosts_best_isa(monkeypatch):
-    """AVX2-best hosts: our kernel; AVX-512 hosts: oneDNN for float weights, our int8 kernel for
-    integer ones (it runs there too); no kernel at all: oneDNN, and the int8 reference."""
+    """AVX2-best hosts: our kernel; Intel AVX-512 hosts: its AVX-512 build; other AVX-512
+    hosts: oneDNN for float weights, our int8 kernel for integer ones (it runs there too); no
+    kernel at all: oneDNN, and the int8 reference."""
     monkeypatch.setattr(cpu_build, "kernels_preferred", lambda: True)
+    monkeypatch.setattr(cpu_build, "intel_avx512_host", lambda: False)
     if cpu_linear.available():
-        assert isinstance(linear_method_for(CPU, torch.float32), Avx2Method)
+        assert type(linear_method_for(CPU, torch.float32)) is Avx2Method
+    monkeypatch.setattr(cpu_build, "intel_avx512_host", lambda: True)
+    if cpu_linear.available_avx512():
+        assert type(linear_method_for(CPU, torch.float32)) is Avx512Method
+        assert linear_method_for(CPU, torch.float32, "int8").kernel is True   # AVX2 int8 panels
+    monkeypatch.setattr(cpu_build, "intel_avx512_host", lambda: False)
     monkeypatch.setattr(cpu_build, "kernels_preferred", lambda: False)
     if onednn_available(CPU, torch.float32):
         assert isinstance(linear_method_for(CPU, torch.float32), OneDnnMethod)
@@ -352,9 +404,10 @@ def test_an_int8_engine_holds_under_half_the_weight_memory_and_decodes(model_dir
         EngineConfig(role="decode", quantization="int4-nonsense")
 
 
-def test_the_kernels_are_preferred_on_avx2_hosts_and_amd_zen4(monkeypatch):
-    """AVX2-best hosts and AMD family 25 (Zen 4: AVX-512 on 256-bit units) pick our kernels;
-    an Intel AVX-512 host and Zen 5 (family 26, full-width units) keep oneDNN / SDPA."""
+def test_the_kernels_are_preferred_on_avx2_hosts_amd_zen4_and_intel_avx512(monkeypatch):
+    """AVX2-best hosts, AMD family 25 (Zen 4: AVX-512 on 256-bit units) and Intel AVX-512 hosts
+    pick our kernels (Intel: the linear kernel's AVX-512 build); Zen 5 (family 26, full-width
+    units) keeps oneDNN / SDPA."""
     if not cpu_build.avx2_capable():
         pytest.skip("not an x86 host with AVX2 and FMA")
     fields = {}
@@ -362,7 +415,9 @@ def test_the_kernels_are_preferred_on_avx2_hosts_and_amd_zen4(monkeypatch):
     monkeypatch.setattr(cpu_build, "avx2_host", lambda: True)
     assert cpu_build.kernels_preferred()
     monkeypatch.setattr(cpu_build, "avx2_host", lambda: False)          # an AVX-512 host
+    monkeypatch.setattr(cpu_build, "avx512_capable", lambda: True)
     for vendor, family, want in (("AuthenticAMD", "25", True), ("AuthenticAMD", "26", False),
-                                 ("GenuineIntel", "6", False)):
+                                 ("GenuineIntel", "6", True)):
         fields.update({"vendor_id": vendor, "cpu family": family})
         assert cpu_build.kernels_preferred() is want, (vendor, family)
+        assert cpu_build.intel_avx512_host() is (vendor == "GenuineIntel")

@@ -280,8 +280,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 def use_cpu_kernel(choice: str, device: torch.device, head_dim: int, block_size: int,
                    dtype: torch.dtype) -> bool:
     """Whether decodes and short queries go to our AVX2 kernel (`choice` "avx2") or to gather +
-    SDPA ("sdpa"); "auto": the kernel where it runs on a host where the AVX2 kernels are
-    preferred (AVX2-best hosts and AMD Zen 4: pdkernels.cpu_build.kernels_preferred, measured
+    SDPA ("sdpa"); "auto": the kernel where it runs on a host where our kernels are preferred
+    (AVX2-best hosts, AMD Zen 4, Intel AVX-512: pdkernels.cpu_build.kernels_preferred, measured
     faster there); on other AVX-512 hosts gather + SDPA until measured otherwise."""
     if choice not in CPU_ATTENTION:
         raise ValueError(f"cpu_attention must be one of {CPU_ATTENTION}, got {choice!r}")

@@ -18,6 +18,8 @@ shard), and `process_weights_after_loading` lets it repack them once:
   AVX2 (it runs on AVX-512 ones too): at memory speed up to ~9 rows and near the FMA peak
   beyond, where oneDNN reaches 60-80% of the peak (`pdserve linearbench`). A row's result does
   not depend on the rest of the batch.
+- `Avx512Method`: the same kernel and panels built for AVX-512F (the same bits), by default on
+  Intel AVX-512 hosts, whose two 512-bit FMA units it keeps busy.
 - `OneDnnMethod` by default on other fp32 CPUs with torch's oneDNN ops (AVX-512, AMX): the
   weight packed once in oneDNN's layout instead of MKL repacking it on every small-batch call.
 `--linear-method` forces one of them where it can run (`linear_method_for`).
@@ -88,7 +90,15 @@ class Avx2Method(LinearMethod):
         _drop_weight(layer)
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
-        return cpu_linear.linear(x, layer.packed, layer.out_features, layer.packed_bias)
+        return cpu_linear.linear(x, layer.packed, layer.out_features, layer.packed_bias,
+                                 isa=self.name)
+
+
+class Avx512Method(Avx2Method):
+    """The same panels, computed by the kernel's AVX-512 build (two panels per pass of up to 12
+    rows): the same bits as Avx2Method, faster where 512-bit FMAs run at full width."""
+
+    name = "avx512"
 
 
 class OneDnnMethod(LinearMethod):
@@ -235,12 +245,14 @@ def linear_method_for(device: torch.device, dtype: torch.dtype,
     `quantization` says ("none", "int8", or a pre-quantized checkpoint's scheme).
 
     `choice` ("auto", or one of LINEAR_METHODS) forces a CPU path: "avx2" our kernel (any x86
-    CPU with AVX2 and FMA, AVX-512 ones too; integer weights in its int8 panels), "onednn"
+    CPU with AVX2 and FMA, AVX-512 ones too; integer weights in its int8 panels), "avx512" its
+    AVX-512 build (float weights: the same bits; integer ones keep the AVX2 panels), "onednn"
     torch's oneDNN packed linear (float weights only: integer weights are refused), "torch"
     F.linear (integer weights: the dequantize-then-matmul reference, or the Triton kernel on
     CUDA). "auto" is what measured fastest on the host's kind (README, `pdserve stepbench`):
-    our kernel where the best ISA is AVX2 and on AMD Zen 4 (AVX-512 on 256-bit units), oneDNN
-    on other AVX-512 hosts for float weights (our kernel for integer ones), F.linear elsewhere. A forced path that cannot run here is an
+    our kernel where the best ISA is AVX2 and on AMD Zen 4 (AVX-512 on 256-bit units), its
+    AVX-512 build on Intel AVX-512 hosts, oneDNN on other AVX-512 hosts for float weights (our
+    kernel for integer ones), F.linear elsewhere. A forced path that cannot run here is an
     error naming why."""
     if choice not in LINEAR_METHODS:
         raise ValueError(f"linear method must be one of {LINEAR_METHODS}, got {choice!r}")
@@ -248,11 +260,14 @@ def linear_method_for(device: torch.device, dtype: torch.dtype,
     if not isinstance(quantization, QuantScheme) and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     fp32_cpu = device.type == "cpu" and dtype == torch.float32
-    if choice in ("avx2", "onednn") and not fp32_cpu:
+    if choice in ("avx2", "avx512", "onednn") and not fp32_cpu:
         raise _refuse(choice, f"a float32 CPU path (this engine computes {dtype} on "
                               f"{device.type}); use auto or torch")
     if choice == "avx2" and not cpu_linear.available():
         raise _refuse(choice, "our kernel needs an x86 CPU with AVX2 and FMA and a C++ "
+                              "compiler (see the log for why it did not build)")
+    if choice == "avx512" and not cpu_linear.available_avx512():
+        raise _refuse(choice, "our AVX-512 kernel needs an x86 CPU with AVX-512F and a C++ "
                               "compiler (see the log for why it did not build)")
     if choice == "onednn":
         if quantized:
@@ -261,11 +276,13 @@ def linear_method_for(device: torch.device, dtype: torch.dtype,
                                   "with --linear-method avx2, torch or auto")
         if not onednn_available(device, dtype):
             raise _refuse(choice, "this torch build has no oneDNN linear ops")
-    kernel = fp32_cpu and cpu_linear.available() and choice in ("auto", "avx2")
+    kernel = fp32_cpu and cpu_linear.available() and choice in ("auto", "avx2", "avx512")
     if isinstance(quantization, QuantScheme):
         return QuantizedMethod(quantization, kernel)
     if quantization == "int8":
         return Int8Method(kernel)
+    if choice == "avx512" or (choice == "auto" and kernel and cpu_linear.preferred_avx512()):
+        return Avx512Method()
     if choice == "avx2" or (choice == "auto" and kernel and cpu_linear.preferred()):
         return Avx2Method()
     if choice == "onednn" or (choice == "auto" and onednn_available(device, dtype)):
