@@ -149,7 +149,8 @@ def test_report_command_on_the_file(spans, tmp_path):
     assert json.loads(done.stdout)["requests"] == N
 
 
-def test_collect_command_writes_and_stops_on_ctrl_c(tmp_path):
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_collect_command_writes_and_stops_on_ctrl_c_or_sigterm(tmp_path, signum):
     import signal
     import socket
 
@@ -171,7 +172,7 @@ def test_collect_command_writes_and_stops_on_ctrl_c(tmp_path):
         while not (out.exists() and out.read_text().strip()) and time.monotonic() < deadline:
             time.sleep(0.1)
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(getattr(signal, signum))
         stdout, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 0, stderr
     assert "stopped: 1 spans" in stdout

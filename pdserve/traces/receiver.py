@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import threading
 import time
 from concurrent import futures
@@ -197,18 +198,22 @@ def _handler(receiver: TraceReceiver):
 
 
 def main(args) -> int:
+    # Ctrl-C and SIGTERM set an event, from before the receiver starts: a KeyboardInterrupt
+    # raised between the ready line and the wait left the gRPC server's threads running and the
+    # process alive (seen once in the suite).
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     receiver = TraceReceiver(args.listen, args.http_listen, args.out).start()
     where = [f"OTLP gRPC on {args.listen.rpartition(':')[0]}:{receiver.grpc_port}"]
     if receiver.http_port:
         where.append(f"HTTP on {args.http_listen.rpartition(':')[0]}:{receiver.http_port}"
                      "/v1/traces")
-    print(f"collecting traces ({', '.join(where)}) into {args.out}; Ctrl-C stops", flush=True)
-    stop = threading.Event()
     try:
-        while not stop.wait(1.0):
+        print(f"collecting traces ({', '.join(where)}) into {args.out}; Ctrl-C stops",
+              flush=True)
+        while not stop.wait(0.5):
             pass
-    except KeyboardInterrupt:
-        pass
     finally:
         receiver.stop()
     print(f"stopped: {len(receiver.spans())} spans written to {args.out}", flush=True)
