@@ -20,6 +20,10 @@ Each output is a sequential sum over k, so a row's result is the same whatever e
 batch: a sequence's logits do not depend on which other sequences, or how many proposed tokens,
 share its step.
 
+The fp32 kernel has an AVX-512 build too (csrc/cpu_linear_avx512.cpp, `linear(..., isa="avx512")`,
+`available_avx512()`): the same panels, two of them per pass of up to 12 rows in 512-bit
+registers, the same fused multiply-adds in the same order, so the same bits.
+
 The source is compiled on first use (pdkernels.cpu_build) and loaded with ctypes. It runs on torch's
 thread count (torch.set_num_threads). `available()` is false where it cannot run (an x86 CPU
 without AVX2 and FMA, or not x86, no compiler, a failed build) and the engine then keeps torch's

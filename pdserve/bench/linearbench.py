@@ -1,12 +1,13 @@
 """`pdserve linearbench`: the CPU linear layers of one decode step, per backend and row count.
 
 A model's linear layers (from its config.json; random fp32 weights, so no weights are read) are
-built once per backend: our AVX2 kernel (pdkernels/cpu_linear.py), oneDNN's packed linear and
-torch's nn.Linear. For each row count (the tokens of a step: 1 for a plain decode, 1 + k for a
-sequence verifying k proposals), every layer's projections run in model order, followed by the
-lm_head, as a forward pass calls them: each weight is read from memory once per pass (the model
-is far larger than the caches), so one row measures memory bandwidth and many rows the FMA
-units. The best of --repeat passes is reported, with GFLOPS and the speed-up over nn.Linear.
+built once per backend: our kernel (pdkernels/cpu_linear.py: its AVX2 build, and its AVX-512
+build where the CPU has AVX-512F), oneDNN's packed linear and torch's nn.Linear. For each row
+count (the tokens of a step: 1 for a plain decode, 1 + k for a sequence verifying k proposals),
+every layer's projections run in model order, followed by the lm_head, as a forward pass calls
+them: each weight is read from memory once per pass (the model is far larger than the caches),
+so one row measures memory bandwidth and many rows the FMA units. The best of --repeat passes
+is reported, with GFLOPS and the speed-up over nn.Linear.
 """
 
 from __future__ import annotations
