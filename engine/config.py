@@ -139,7 +139,7 @@ class ModelConfig:
 # CPU paths a worker can be forced onto (auto: what measured fastest on the host's kind):
 # the linear layers' (engine.layers.linear.linear_method_for) and the torch attention backend's
 # for decodes and short queries (engine.attention.torch_backend.use_cpu_kernel).
-LINEAR_METHODS = ("auto", "avx2", "avx512", "onednn", "torch")
+LINEAR_METHODS = ("auto", "avx2", "avx512", "amx", "onednn", "torch")
 CPU_ATTENTION = ("auto", "avx2", "sdpa")
 
 

@@ -27,6 +27,9 @@ AVX2_FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-sha
 AVX512_FLAGS = ["-O3", "-std=c++17", "-mavx512f", "-mavx2", "-mfma", "-fopenmp", "-fPIC",
                 "-shared"]
 
+AMX_FLAGS = ["-O3", "-std=c++17", "-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bf16",
+             "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
+
 
 def cache_dir() -> Path:
     """PDSERVE_KERNEL_CACHE, else the same cache root as cluster.paths.cache_dir() (which this
@@ -70,6 +73,16 @@ def avx512_capable() -> bool:
     Zen 4)."""
     flags = cpu_flags() if _x86() else None
     return bool(flags) and {"avx512f", "avx2", "fma"} <= flags
+
+
+def amx_capable() -> bool:
+    """An x86-64 CPU with AMX tiles and their bf16 products, and AVX-512 BF16 conversions
+    (Intel since Sapphire Rapids), as /proc/cpuinfo lists them. The process must still be
+    granted the tile state (Linux 5.16+), which pdkernels.cpu_linear asks for when it loads the
+    AMX kernel."""
+    flags = cpu_flags() if _x86() else None
+    return bool(flags) and {"amx_tile", "amx_bf16", "avx512f", "avx512_bf16", "avx512bw",
+                            "avx512vl"} <= flags
 
 
 def avx2_host() -> bool:

@@ -24,6 +24,13 @@ The fp32 kernel has an AVX-512 build too (csrc/cpu_linear_avx512.cpp, `linear(..
 `available_avx512()`): the same panels, two of them per pass of up to 12 rows in 512-bit
 registers, the same fused multiply-adds in the same order, so the same bits.
 
+On Intel CPUs with AMX (Sapphire Rapids and later) a third kernel (csrc/cpu_linear_amx.cpp,
+`pack_amx`, `linear_amx`, `available_amx()`) computes fp32 layers on the tile unit: each value
+split into two bf16 pieces and each product taken as hi*hi + hi*lo + lo*hi with fp32 sums
+("bf16x3"), within ~2^-16 of each term where plain fp32 sums are within ~2^-24 per add; its
+rows, too, do not depend on their batch. Its weight has a packing of its own (the same bytes
+as fp32).
+
 The source is compiled on first use (pdkernels.cpu_build) and loaded with ctypes. It runs on torch's
 thread count (torch.set_num_threads). `available()` is false where it cannot run (an x86 CPU
 without AVX2 and FMA, or not x86, no compiler, a failed build) and the engine then keeps torch's
@@ -49,6 +56,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "cpu_linear.cpp"
 FLAGS = cpu_build.AVX2_FLAGS
 SOURCE_AVX512 = Path(__file__).with_name("csrc") / "cpu_linear_avx512.cpp"
+SOURCE_AMX = Path(__file__).with_name("csrc") / "cpu_linear_amx.cpp"
 ISAS = ("avx2", "avx512")   # the fp32 kernel's builds: the same panels, the same bits
 PANEL = 16   # output features per packed panel (kept in step with kPanel in the source)
 
@@ -127,6 +135,76 @@ def _library512() -> ctypes.CDLL | None:
 def available_avx512() -> bool:
     """Whether the AVX-512 build runs here (an AVX-512F CPU, a compiler that builds it)."""
     return _library512() is not None
+
+
+def preferred_amx() -> bool:
+    """Whether the engine picks the AMX kernel by default for float weights: wherever it runs
+    (Intel AMX hosts: `pdkernels.cpu_build.amx_capable`), as measured (docs/performance.md,
+    "The AMX kernel")."""
+    return cpu_build.amx_capable() and available_amx()
+
+
+@functools.lru_cache(maxsize=1)
+def _library_amx() -> ctypes.CDLL | None:
+    """The fp32 kernel on AMX tiles (csrc/cpu_linear_amx.cpp), with the tile state granted."""
+    if not cpu_build.amx_capable():
+        return None
+    lib = cpu_build.load(SOURCE_AMX, cpu_build.AMX_FLAGS, "AMX CPU linear kernel")
+    if lib is None:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.pdserve_amx_pack.argtypes = [ptr, i64, i64, ptr, ctypes.c_int]
+    lib.pdserve_amx_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.pdserve_amx_packed_size.argtypes = [i64, i64]
+    lib.pdserve_amx_packed_size.restype = i64
+    lib.pdserve_amx_panel.restype = i64
+    if lib.pdserve_amx_panel() != PANEL:
+        log.warning("AMX CPU linear kernel: panel width mismatch")
+        return None
+    if lib.pdserve_amx_init() != 0:
+        log.warning("AMX CPU linear kernel: the OS did not grant the tile state (Linux 5.16+ "
+                    "needed)")
+        return None
+    return lib
+
+
+def available_amx() -> bool:
+    """Whether the AMX kernel runs here (an AMX CPU, an OS that grants the tile state, a
+    compiler that builds it)."""
+    return _library_amx() is not None
+
+
+def pack_amx(weight: torch.Tensor) -> torch.Tensor:
+    """The [N, K] weight for `linear_amx`: per pair of 16-feature panels and block of 32 k, its
+    bf16 hi and lo pieces as two tiles (bf16 bits in an int16 tensor; zero past N and K)."""
+    lib = _library_amx()
+    if lib is None:
+        raise RuntimeError("AMX CPU linear kernel unavailable (see available_amx())")
+    _check(weight, "weight")
+    w = weight.detach().contiguous()
+    n, k = w.shape
+    out = torch.empty(lib.pdserve_amx_packed_size(n, k), dtype=torch.int16)
+    lib.pdserve_amx_pack(w.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def linear_amx(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x[..., K] @ W.T (+ bias) on AMX tiles, W from `pack_amx`, bias (if any) at least
+    out_features floats (`pad_bias` will do)."""
+    lib = _library_amx()
+    if lib is None:
+        raise RuntimeError("AMX CPU linear kernel unavailable (see available_amx())")
+    _check(x, "input")
+    k = x.shape[-1]
+    if packed.dtype != torch.int16 or packed.numel() != lib.pdserve_amx_packed_size(
+            out_features, k):
+        raise ValueError(f"packed AMX weight does not hold {out_features} x {k}")
+    if bias is not None and (bias.dtype != torch.float32 or bias.numel() < out_features):
+        raise ValueError(f"bias must hold {out_features} float32 values")
+    return _rows(x, out_features, lambda x2, m, y: lib.pdserve_amx_linear(
+        x2.data_ptr(), m, k, packed.data_ptr(), out_features,
+        bias.data_ptr() if bias is not None else None, y.data_ptr(), torch.get_num_threads()))
 
 
 def _check(t: torch.Tensor, what: str) -> None:

@@ -13,7 +13,7 @@ from cluster.tracing import PROTOCOLS as OTLP_PROTOCOLS
 # engine.config.QUANTIZATION_CHOICES (written out here: --help does not import torch)
 QUANTIZATION_CHOICES = ["none", "int8", "gptq", "awq", "compressed-tensors", "w4a16", "w8a8"]
 # engine.config.LINEAR_METHODS and CPU_ATTENTION, likewise
-LINEAR_METHODS = ["auto", "avx2", "avx512", "onednn", "torch"]
+LINEAR_METHODS = ["auto", "avx2", "avx512", "amx", "onednn", "torch"]
 CPU_ATTENTION = ["auto", "avx2", "sdpa"]
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -70,11 +70,13 @@ def add_cpu_paths(p: argparse.ArgumentParser) -> None:
     p.add_argument("--linear-method", default="auto", choices=LINEAR_METHODS,
                    help="the linear layers' CPU path: avx2 (our kernel: any x86 CPU with AVX2 "
                         "and FMA, AVX-512 ones too), avx512 (the same kernel built for AVX-512F: "
-                        "the same results), onednn (torch's oneDNN packed linear; "
-                        "float weights only), torch (F.linear; integer weights dequantized); "
-                        "auto: what measured fastest on this kind of host (avx2 where the best "
-                        "ISA is AVX2 and on AMD Zen 4, avx512 on Intel AVX-512 hosts, onednn on "
-                        "other AVX-512 hosts)")
+                        "the same results), amx (fp32 as three bf16 products on Intel AMX "
+                        "tiles, Sapphire Rapids and later; float weights only), onednn (torch's "
+                        "oneDNN packed linear; float weights only), torch (F.linear; integer "
+                        "weights dequantized); auto: what measured fastest on this kind of host "
+                        "(amx on Intel AMX hosts, avx512 on other Intel AVX-512 hosts, avx2 "
+                        "where the best ISA is AVX2 and on AMD Zen 4, onednn on other AVX-512 "
+                        "hosts)")
     p.add_argument("--cpu-attention", default="auto", choices=CPU_ATTENTION,
                    help="the torch attention backend's path for decodes and short queries on "
                         "CPUs: avx2 (our kernel, blocks read in place), sdpa (gather + torch "

@@ -22,10 +22,10 @@ def _why_not(fn) -> str | None:
 
 
 def linear_params(quantization: str = "none") -> list:
-    """--linear-method avx2, avx512, onednn, torch, each skipped (saying why) where it cannot
+    """--linear-method avx2, avx512, amx, onednn, torch, each skipped (saying why) where it cannot
     run."""
     out = []
-    for name in ("avx2", "avx512", "onednn", "torch"):
+    for name in ("avx2", "avx512", "amx", "onednn", "torch"):
         why = _why_not(lambda: linear_method_for(CPU, torch.float32, quantization, name))
         out.append(pytest.param(name, id=f"linear-{name}",
                                 marks=pytest.mark.skipif(why is not None, reason=why or "")))

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.linear import (Avx2Method, Avx512Method, DenseMethod, Int8Method, Linear,
-                                  MergedLinear, OneDnnMethod, linear_method_for, onednn_available,
-                                  packed_copy, runnable_linear_methods)
+from engine.layers.linear import (AmxMethod, Avx2Method, Avx512Method, DenseMethod, Int8Method,
+                                  Linear, MergedLinear, OneDnnMethod, linear_method_for,
+                                  onednn_available, packed_copy, runnable_linear_methods)
 from engine.weights import weight_bytes
 from pdkernels import cpu_build, cpu_linear
 from tests.cpu_paths import linear_params
@@ -21,6 +21,9 @@ needs_kernel = pytest.mark.skipif(not cpu_linear.cpu_supported(),
                                   reason="the kernel needs an x86 CPU with AVX2 and FMA")
 needs_avx512 = pytest.mark.skipif(not cpu_build.avx512_capable(),
                                   reason="the AVX-512 build needs an x86 CPU with AVX-512F")
+needs_amx = pytest.mark.skipif(not cpu_build.amx_capable(),
+                               reason="the AMX kernel needs an Intel CPU with AMX-BF16 (Sapphire "
+                                      "Rapids or later)")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -106,6 +109,81 @@ def test_avx512_rows_do_not_depend_on_their_batch():
     assert torch.equal(cpu_linear.linear(x[3:20], packed, 200, isa="avx512"), full[3:20])
 
 
+@needs_amx
+def test_amx_kernel_is_there_on_an_amx_host():
+    # A silent fallback would leave the path `auto` takes on AMX hosts untested.
+    assert cpu_linear.available_amx()
+    assert "amx" in runnable_linear_methods(CPU, torch.float32)
+    assert type(linear_method_for(CPU, torch.float32)) is AmxMethod
+
+
+def _amx_error(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+               got: torch.Tensor) -> float:
+    """The largest |got - exact| relative to sum_k |x * w| (+ |b|): the scale of a term's
+    error, whatever the cancellation."""
+    xd, wd = x.double(), w.double()
+    exact = xd @ wd.T + (b.double() if b is not None else 0)
+    scale = xd.abs() @ wd.abs().T + (b.double().abs() if b is not None else 0)
+    return float(((got.double() - exact).abs() / scale.clamp_min(1e-30)).max()) if got.numel() else 0.0
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [1, 15, 16, 17, 32, 33, 100, 129, 300])
+@pytest.mark.parametrize("n,k", [(16, 8), (32, 24), (40, 100), (1, 5), (960, 576), (17, 1536),
+                                 (48, 33)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_amx_kernel_is_within_bf16x3_error_of_the_exact_product(m, n, k, threads):
+    # Three products per term (hi*hi, hi*lo, lo*hi): each term within ~2^-16 of exact. One
+    # product left out, or a piece cut instead of rounded, is off by ~2^-9: this bound sees it.
+    x, w, b = _case(m, n, k, with_bias=(m + n) % 2 == 0)
+    packed, bias = cpu_linear.pack_amx(w), cpu_linear.pad_bias(b)
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_linear.linear_amx(x, packed, n, bias)
+    finally:
+        torch.set_num_threads(1)
+    assert got.shape == (m, n)
+    assert _amx_error(x, w, b, got) < 2.0 ** -15
+    assert torch.equal(got, cpu_linear.linear_amx(x, packed, n, bias))   # deterministic
+
+
+@needs_amx
+def test_amx_rows_do_not_depend_on_their_batch_or_thread_count():
+    # Row groups of 16 in pairs or alone, a last group padded, blocks of 128 rows: each output
+    # adds the same products in the same order.
+    w = torch.randn(200, 576)
+    packed = cpu_linear.pack_amx(w)
+    x = torch.randn(150, 576)
+    full = cpu_linear.linear_amx(x, packed, 200)
+    for i in (0, 15, 16, 31, 32, 127, 128, 149):
+        assert torch.equal(cpu_linear.linear_amx(x[i:i + 1], packed, 200)[0], full[i])
+    assert torch.equal(cpu_linear.linear_amx(x[3:20], packed, 200), full[3:20])
+    assert torch.equal(cpu_linear.linear_amx(x[100:], packed, 200), full[100:])
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(cpu_linear.linear_amx(x, packed, 200), full)
+    finally:
+        torch.set_num_threads(1)
+
+
+@needs_amx
+def test_amx_shapes_and_bad_input():
+    w = torch.randn(40, 24)
+    packed = cpu_linear.pack_amx(w)
+    x = torch.randn(2, 3, 48)[..., ::2]                 # 3-D and not contiguous
+    torch.testing.assert_close(cpu_linear.linear_amx(x, packed, 40), x @ w.T, rtol=1e-4,
+                               atol=1e-4)
+    assert cpu_linear.linear_amx(torch.empty(0, 24), packed, 40).shape == (0, 40)
+    with pytest.raises(ValueError, match="does not hold"):
+        cpu_linear.linear_amx(torch.randn(2, 24), packed, 96)
+    with pytest.raises(ValueError, match="does not hold"):
+        cpu_linear.linear_amx(torch.randn(2, 24), cpu_linear.pack(w), 40)   # the AVX2 panels
+    with pytest.raises(ValueError, match="float32"):
+        cpu_linear.linear_amx(torch.randn(2, 24, dtype=torch.float64), packed, 40)
+    with pytest.raises(ValueError, match="bias must hold"):
+        cpu_linear.linear_amx(torch.randn(2, 24), packed, 40, torch.zeros(8))
+
+
 def test_unknown_isa_is_refused():
     with pytest.raises(ValueError, match="isa must be one of"):
         cpu_linear.linear(torch.randn(1, 8), torch.zeros(16 * 8), 16, isa="sse")
@@ -148,7 +226,7 @@ def test_linear_layers_pack_after_loading_including_a_tied_head():
     w, b = torch.randn(40, 24), torch.randn(40)
     x = torch.randn(5, 24)
     auto = linear_method_for(torch.device("cpu"), torch.float32)
-    assert isinstance(auto, Avx2Method) == cpu_linear.preferred()
+    assert isinstance(auto, (Avx2Method, AmxMethod)) == cpu_linear.preferred()
     proj = packed_copy(w, Avx2Method(), b)
     head = Linear(24, 50, False, Avx2Method())
     head.weight = emb.weight                         # tied, as a model's lm_head
@@ -171,16 +249,22 @@ def test_every_forced_method_matches_torch_and_counts_its_weight_memory(method, 
         x, w, b = _case(m, n, k, with_bias)
         layer = packed_copy(w, chosen, b)
         with torch.inference_mode():
-            torch.testing.assert_close(layer(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+            tol = 1e-4 if method == "amx" else 1e-5     # three bf16 products per term
+            torch.testing.assert_close(layer(x), F.linear(x, w, b), rtol=tol, atol=tol)
         held = weight_bytes(layer)
         assert held >= n * k * 4 + (n * 4 if with_bias else 0)
-        assert held <= 2 * (-(-n // 16) * 16 * k * 4 + n * 4)
+        if method == "amx":     # two bf16 pieces; k padded to 32, panels to pairs
+            assert held <= -(-n // 32) * 32 * -(-k // 32) * 32 * 4 + 2 * (n + 16) * 4
+        else:
+            assert held <= 2 * (-(-n // 16) * 16 * k * 4 + n * 4)
 
 
 def test_forced_methods_that_cannot_run_are_refused_by_name(monkeypatch):
     with pytest.raises(ValueError, match="--linear-method onednn: .*float weights only"):
         linear_method_for(CPU, torch.float32, "int8", "onednn")
-    for choice in ("avx2", "onednn"):
+    with pytest.raises(ValueError, match="--linear-method amx: .*float weights only"):
+        linear_method_for(CPU, torch.float32, "int8", "amx")
+    for choice in ("avx2", "amx", "onednn"):
         with pytest.raises(ValueError, match=f"--linear-method {choice}: a float32 CPU path"):
             linear_method_for(CPU, torch.bfloat16, "none", choice)
         with pytest.raises(ValueError, match=f"--linear-method {choice}: a float32 CPU path"):
@@ -193,20 +277,30 @@ def test_forced_methods_that_cannot_run_are_refused_by_name(monkeypatch):
     with pytest.raises(ValueError, match="--linear-method avx2: our kernel needs"):
         linear_method_for(CPU, torch.float32, "none", "avx2")
     assert "avx2" not in runnable_linear_methods(CPU, torch.float32)
+    monkeypatch.setattr(cpu_linear, "available_amx", lambda: False)  # no AMX, or an old kernel
+    with pytest.raises(ValueError, match="--linear-method amx: the AMX kernel needs"):
+        linear_method_for(CPU, torch.float32, "none", "amx")
 
 
 def test_auto_picks_by_the_hosts_best_isa(monkeypatch):
-    """AVX2-best hosts: our kernel; Intel AVX-512 hosts: its AVX-512 build; other AVX-512
+    """AVX2-best hosts: our kernel; Intel AVX-512 hosts: its AVX-512 build, or the AMX kernel
+    where the CPU has AMX; other AVX-512
     hosts: oneDNN for float weights, our int8 kernel for integer ones (it runs there too); no
     kernel at all: oneDNN, and the int8 reference."""
     monkeypatch.setattr(cpu_build, "kernels_preferred", lambda: True)
     monkeypatch.setattr(cpu_build, "intel_avx512_host", lambda: False)
+    monkeypatch.setattr(cpu_build, "amx_capable", lambda: False)
     if cpu_linear.available():
         assert type(linear_method_for(CPU, torch.float32)) is Avx2Method
     monkeypatch.setattr(cpu_build, "intel_avx512_host", lambda: True)
     if cpu_linear.available_avx512():
         assert type(linear_method_for(CPU, torch.float32)) is Avx512Method
         assert linear_method_for(CPU, torch.float32, "int8").kernel is True   # AVX2 int8 panels
+    monkeypatch.setattr(cpu_build, "amx_capable", lambda: True)
+    if cpu_linear.available_amx():      # Intel AMX hosts: the AMX kernel for float weights
+        assert type(linear_method_for(CPU, torch.float32)) is AmxMethod
+        assert linear_method_for(CPU, torch.float32, "int8").kernel is True
+    monkeypatch.setattr(cpu_build, "amx_capable", lambda: False)
     monkeypatch.setattr(cpu_build, "intel_avx512_host", lambda: False)
     monkeypatch.setattr(cpu_build, "kernels_preferred", lambda: False)
     if onednn_available(CPU, torch.float32):

@@ -39,8 +39,8 @@ def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
 def backends(device: torch.device) -> dict[str, LinearMethod]:
     import torch
 
-    from engine.layers.linear import (Avx2Method, Avx512Method, DenseMethod, OneDnnMethod,
-                                      onednn_available)
+    from engine.layers.linear import (AmxMethod, Avx2Method, Avx512Method, DenseMethod,
+                                      OneDnnMethod, onednn_available)
     from pdkernels import cpu_linear
 
     out: dict[str, LinearMethod] = {}
@@ -48,6 +48,8 @@ def backends(device: torch.device) -> dict[str, LinearMethod]:
         out["avx2"] = Avx2Method()
     if cpu_linear.available_avx512():
         out["avx512"] = Avx512Method()
+    if cpu_linear.available_amx():
+        out["amx"] = AmxMethod()
     if onednn_available(device, torch.float32):
         out["onednn"] = OneDnnMethod()
     out["torch"] = DenseMethod()
@@ -130,15 +132,16 @@ def register(sub) -> None:
         formatter_class=DefaultsFormatter,
         description="Time a model's linear layers (its config's shapes, random fp32 weights) in "
                     "model order, as one forward pass runs them, for each row count and backend: "
-                    "avx2 (our kernel), avx512 (its AVX-512 build), onednn (packed), torch "
-                    "(nn.Linear).")
+                    "avx2 (our kernel), avx512 (its AVX-512 build), amx (fp32 as three bf16 "
+                    "products on AMX tiles), onednn (packed), torch (nn.Linear).")
     p.add_argument("--model", default=None,
                    help=f"model folder whose config.json gives the shapes "
                         f"(default: {default_model_dir()})")
     p.add_argument("--rows", default="1,2,5,9,17,32,128", help="comma list of row counts")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--layers", type=int, default=0, help="decoder layers to include (0: all)")
-    p.add_argument("--backends", default="avx2,avx512,onednn,torch", help="comma list")
+    p.add_argument("--backends", default="avx2,avx512,amx,onednn,torch",
+                   help="comma list (those this host cannot run are left out)")
     p.add_argument("--repeat", type=int, default=5, help="passes per point; the best is kept")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--out", default=None, help="JSON file for the figures")
