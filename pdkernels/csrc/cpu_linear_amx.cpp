@@ -134,8 +134,10 @@ inline void prefetch_tile(const uint16_t* t) {
 
 inline void store_tile_part(const float* tile, float* y, int64_t ldy, int64_t rows,
                             int64_t cols) {
+    const __mmask16 keep = cols >= kPanel ? static_cast<__mmask16>(0xFFFF)
+                                          : static_cast<__mmask16>((1u << cols) - 1u);
     for (int64_t r = 0; r < rows; ++r)
-        std::memcpy(y + r * ldy, tile + r * kPanel, cols * sizeof(float));
+        _mm512_mask_storeu_ps(y + r * ldy, keep, _mm512_loadu_ps(tile + r * kPanel));
 }
 
 struct Job {
@@ -155,19 +157,37 @@ inline void bias_rows(const Job& j, int64_t p, float* b /* [2][16] */) {
         }
 }
 
-// Outputs of the row group(s) starting at row m and panels p, p + 1 out of their tiles.
-inline void store(const Job& j, int64_t m, int64_t p, int groups, float* scratch) {
-    for (int g = 0; g < groups; ++g)
-        for (int t = 0; t < 2; ++t) {
-            const int64_t row = m + 16 * g, col = (p + t) * kPanel;
-            if (col >= j.N) continue;
-            const int64_t rows = j.M - row < 16 ? j.M - row : 16;
-            const int64_t cols = j.N - col < kPanel ? j.N - col : kPanel;
-            float* out = j.y + row * j.N + col;
-            const float* tile = scratch + (g * 2 + t) * 256;
-            store_tile_part(tile, out, j.N, rows, cols);
-        }
+// Where accumulator tile (row group g, panel p + t) goes: straight into y (its 16 x 16 outputs
+// all there: *ld the row stride of y in bytes), into `scratch` (*ld 64: some rows or columns
+// past y's, then `finish` copies the rest), or nowhere (null: none of it is in y).
+inline float* tile_target(const Job& j, int64_t m, int64_t p, int g, int t, float* scratch,
+                          int64_t* ld) {
+    const int64_t row = m + 16 * g, col = (p + t) * kPanel;
+    if (col >= j.N || row >= j.M) return nullptr;
+    if (row + 16 <= j.M && col + kPanel <= j.N) {
+        *ld = j.N * static_cast<int64_t>(sizeof(float));
+        return j.y + row * j.N + col;
+    }
+    *ld = 64;
+    return scratch;
 }
+
+inline void finish(const Job& j, int64_t m, int64_t p, int g, int t, const float* scratch) {
+    const int64_t row = m + 16 * g, col = (p + t) * kPanel;
+    store_tile_part(scratch, j.y + row * j.N + col, j.N, j.M - row < 16 ? j.M - row : 16,
+                    j.N - col < kPanel ? j.N - col : kPanel);
+}
+
+// _tile_stored takes its tile as a literal.
+#define PDSERVE_STORE(T, g, t)                                         \
+    do {                                                               \
+        int64_t ld;                                                    \
+        float* dst = tile_target(j, m, p, g, t, scratch, &ld);         \
+        if (dst) {                                                     \
+            _tile_stored(T, dst, ld);                                  \
+            if (dst == scratch) finish(j, m, p, g, t, scratch);        \
+        }                                                              \
+    } while (0)
 
 // 32 rows (two groups) x 32 outputs (panels p, p + 1). Tiles 0-3 accumulate (group g, panel t
 // in tile 2 g + t), 4-5 hold x pieces, 6-7 weight pieces.
@@ -195,39 +215,32 @@ void two_groups(const Job& j, int64_t m, int64_t p, float* scratch, Ahead& ahead
             prefetch_tile(wb1 + 2 * kTile);
         }
         _tile_loadd(4, xb0, 64);
-        _tile_loadd(5, xb1, 64);
         _tile_loadd(6, wb0, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(5, xb1, 64);
+        _tile_dpbf16ps(2, 5, 6);
         _tile_loadd(7, wb1, 64);
-        _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-        if (kb + 1 < j.KB) {
-            prefetch_tile(xb0 + 3 * kTile);
-            prefetch_tile(xb1 + 3 * kTile);
-            prefetch_tile(wb0 + 3 * kTile);
-            prefetch_tile(wb1 + 3 * kTile);
-        }
-        _tile_loadd(6, wb0 + kTile, 64);
-        _tile_loadd(7, wb1 + kTile, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
         _tile_loadd(4, xb0 + kTile, 64);
-        _tile_loadd(5, xb1 + kTile, 64);
-        _tile_loadd(6, wb0, 64);
-        _tile_loadd(7, wb1, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, xb1 + kTile, 64);
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
+        _tile_loadd(4, xb0, 64);
+        _tile_loadd(6, wb0 + kTile, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(5, xb1, 64);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_loadd(7, wb1 + kTile, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(3, 5, 7);
     }
-    _tile_stored(0, scratch, 64);
-    _tile_stored(1, scratch + 256, 64);
-    _tile_stored(2, scratch + 512, 64);
-    _tile_stored(3, scratch + 768, 64);
-    store(j, m, p, 2, scratch);
+    PDSERVE_STORE(0, 0, 0);
+    PDSERVE_STORE(1, 0, 1);
+    PDSERVE_STORE(2, 1, 0);
+    PDSERVE_STORE(3, 1, 1);
 }
 
 // 16 rows x 32 outputs: tiles 0-1 accumulate, 2 holds an x piece, 3-6 the weight pieces. The
@@ -254,20 +267,19 @@ void one_group(const Job& j, int64_t m, int64_t p, float* scratch, Ahead& ahead)
         }
         _tile_loadd(2, xb, 64);
         _tile_loadd(3, wb0, 64);
+        _tile_dpbf16ps(0, 2, 3);
         _tile_loadd(4, wb1, 64);
+        _tile_dpbf16ps(1, 2, 4);
+        _tile_loadd(7, xb + kTile, 64);
+        _tile_dpbf16ps(0, 7, 3);
+        _tile_dpbf16ps(1, 7, 4);
         _tile_loadd(5, wb0 + kTile, 64);
-        _tile_loadd(6, wb1 + kTile, 64);
-        _tile_dpbf16ps(0, 2, 3);
-        _tile_dpbf16ps(1, 2, 4);
         _tile_dpbf16ps(0, 2, 5);
+        _tile_loadd(6, wb1 + kTile, 64);
         _tile_dpbf16ps(1, 2, 6);
-        _tile_loadd(2, xb + kTile, 64);
-        _tile_dpbf16ps(0, 2, 3);
-        _tile_dpbf16ps(1, 2, 4);
     }
-    _tile_stored(0, scratch, 64);
-    _tile_stored(1, scratch + 256, 64);
-    store(j, m, p, 1, scratch);
+    PDSERVE_STORE(0, 0, 0);
+    PDSERVE_STORE(1, 0, 1);
 }
 
 struct Buffer {   // the caller thread's x pieces, grown as needed, 64-byte aligned
@@ -292,7 +304,7 @@ void linear(const float* x, int64_t M, int64_t K, const uint16_t* packed, int64_
 #pragma omp parallel num_threads(threads) if (threads > 1 && pairs > 1)
     {
         configure_tiles();
-        alignas(64) float scratch[4 * 256];
+        alignas(64) float scratch[256];
         for (int64_t m0 = 0; m0 < Mp; m0 += kRowBlock) {
             const int64_t m1 = m0 + kRowBlock < Mp ? m0 + kRowBlock : Mp;
 #pragma omp for schedule(static)
