@@ -56,7 +56,7 @@ class BufferSizes:
 
 class AttentionBackend(abc.ABC):
     name: str
-    kernels = "torch"            # what RMSNorm / SiluAndMul use with this backend
+    kernels = "torch"            # what RMSNorm / SiluAndMul (and rotary) use: torch, cpu, triton
     cuda_graphs = False          # whether build()'s metadata can be captured and replayed
 
     def __init__(self, model: ModelConfig, block_size: int, dtype: torch.dtype,

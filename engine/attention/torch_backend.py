@@ -3,8 +3,9 @@
 On x86 CPUs with AVX2 (fp32), decodes and short queries after cached context go to our C++
 kernel (pdkernels/cpu_attention.py), which reads each sequence's blocks in place with the query
 heads of a KV head sharing every K/V row: at 32 decodes of 256-token contexts a step spends a
-fraction of what gathering and SDPA took (see the README). Elsewhere, and for prompt chunks,
-the torch path below.
+fraction of what gathering and SDPA took (see the README); the layers' RMSNorms and the rotary
+embeddings then run in one pass each too (pdkernels/cpu_ops.py, `kernels` "cpu"). Elsewhere,
+and for prompt chunks, the torch path below.
 
 A step's batch is ragged: B sequences, each contributing q_len_i new tokens, concatenated into
 T = sum(q_len_i) rows with no padding. `AttentionMetadata` describes that batch once per step and
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionBackend, BatchLayout
 from engine.config import CPU_ATTENTION
 from engine.layers.rotary import apply_rotary
-from pdkernels import cpu_attention, cpu_build
+from pdkernels import cpu_attention, cpu_build, cpu_ops
 
 
 MAX_GROUPED_QUERY = 32     # longest query attended in a padded group rather than on its own
@@ -322,6 +323,8 @@ class TorchBackend(AttentionBackend):
                                           self.model.head_dim, elem)
         self.kernel = use_cpu_kernel(cpu_attention, self.device, self.model.head_dim,
                                      self.block_size, self.dtype)
+        if self.kernel and cpu_ops.available():   # norms and rotary in one pass too
+            self.kernels = "cpu"
 
     def build(self, batch: BatchLayout, buffers=None, pad_to: int | None = None
               ) -> AttentionMetadata:
@@ -333,6 +336,9 @@ class TorchBackend(AttentionBackend):
 
     def forward(self, q, k, v, rope, cache, meta: AttentionMetadata, scale: float):
         cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.kernels == "cpu" and cpu_ops.usable_rotary(q, cos):
+            q, k = cpu_ops.rotary_(q, cos, sin), cpu_ops.rotary_(k, cos, sin)
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         store_kv(cache, k, v, meta.slot_mapping)
         return paged_attention(q, k, v, cache, meta, scale)                # [T, H, D]
