@@ -18,6 +18,7 @@ a fixed number of derandomized examples, without shrinking a failing one.
 from __future__ import annotations
 
 import json
+import re
 
 import grpc
 import httpx
@@ -97,6 +98,12 @@ def assert_openai_error(body: object, status: int) -> None:
     assert err["code"] is None or isinstance(err["code"], (str, int)), body
 
 
+def sse_lines(text: str) -> list[str]:
+    """An event stream's lines: SSE ends them with CR, LF or CRLF only (str.splitlines would
+    also split an event's JSON at a U+0085 or U+2028 that a generated text holds unescaped)."""
+    return re.split(r"\r\n|\r|\n", text)
+
+
 def assert_served(status: int, content_type: str, text: str, refused: bool,
                   whole: bool = True) -> None:
     """One response of the gateway: never a 5xx; a 4xx (or an SSE error event) is an OpenAI
@@ -109,7 +116,7 @@ def assert_served(status: int, content_type: str, text: str, refused: bool,
         assert content_type.startswith("application/json"), (status, content_type, text)
         assert_openai_error(json.loads(text), status)
     elif content_type.startswith("text/event-stream"):
-        events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        events = [line[6:] for line in sse_lines(text) if line.startswith("data: ")]
         assert events and (events[-1] == "[DONE]" or not whole), text[-500:]
         for data in events:
             if data == "[DONE]":
@@ -243,7 +250,7 @@ class ApiMachine(RuleBasedStateMachine):
             return
         assert r.status_code == 200, r.text
         if stream:
-            chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+            chunks = [json.loads(line[6:]) for line in sse_lines(r.text)
                       if line.startswith("data: {")]
             usage = chunks[-1]["usage"]
         else:
