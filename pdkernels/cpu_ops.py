@@ -47,11 +47,8 @@ def _rows_of(x: torch.Tensor) -> tuple[int, int] | None:
     stride, or None."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() == 0 or x.stride(-1) != 1:
         return None
-    if x.dim() == 1:
-        return 1, x.shape[0]
-    lead = x.reshape(-1, x.shape[-1]) if x.is_contiguous() else None
-    if lead is not None:
-        return lead.shape[0], x.shape[-1]
+    if x.is_contiguous():
+        return x.numel() // max(x.shape[-1], 1), x.shape[-1]
     if x.dim() == 2:
         return x.shape[0], x.stride(0)
     return None
