@@ -88,9 +88,12 @@ class WorkerMetrics:
                  prefix: Callable[[], tuple[int, int, int, int]] | None = None,
                  spec: str | None = None,
                  transfer_refs: Callable[[], dict[str, int]] | None = None,
-                 offload: Callable[[], dict[str, dict]] | None = None) -> None:
+                 offload: Callable[[], dict[str, dict]] | None = None,
+                 threads: Callable[[], int] | None = None) -> None:
         """transfer_refs: the KV connector's references (engine.kv_connector.references);
-        offload: the KV offload tiers' counters by tier (engine.kv_offload.KVOffload.stats)."""
+        offload: the KV offload tiers' counters by tier (engine.kv_offload.KVOffload.stats);
+        threads: a CPU worker's thread count for the step that just ran (called on the engine
+        thread: torch.get_num_threads, which engine.core_share may change between steps)."""
         self.registry = CollectorRegistry()
         labels = {"role": role, "worker": worker_id}
         self._labels = labels
@@ -145,6 +148,11 @@ class WorkerMetrics:
         self.step_time = Histogram("pdserve_step_duration_seconds", "Engine step wall time",
                                    list(labels), buckets=LATENCY_BUCKETS,
                                    registry=r).labels(**labels)
+        self._threads = threads
+        if threads is not None:
+            self.step_threads = Counter("pdserve_engine_steps_by_threads",
+                                        "Engine steps by the CPU threads they ran on",
+                                        [*labels, "threads"], registry=r)
         self.spec = None
         if spec is not None:     # speculative decoding, labelled by proposer
             self.spec = _SpecMetrics(r, dict(labels, proposer=spec))
@@ -162,6 +170,8 @@ class WorkerMetrics:
         self.batch_seqs.observe(s.num_seqs)
         self.batch_tokens.observe(s.num_tokens)
         self.step_time.observe(s.duration_s)
+        if self._threads is not None:
+            self.step_threads.labels(**self._labels, threads=str(self._threads())).inc()
         if self.spec is not None:
             self.spec.on_step(s)
 

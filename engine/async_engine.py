@@ -23,6 +23,7 @@ import threading
 from collections import deque
 from typing import Callable
 
+from engine.core_share import CoreShare
 from engine.engine import Engine
 from engine.parallel import RankFailure
 from engine.request import Request, RequestOutput, Status, TokenLogprob
@@ -41,12 +42,15 @@ class EngineDead(RuntimeError):
 class AsyncEngine:
     def __init__(self, engine: Engine, on_step: Callable | None = None,
                  max_waiting: int = 0, on_death: Callable[[str], None] | None = None,
-                 on_load_timeout: Callable[[str], None] | None = None) -> None:
+                 on_load_timeout: Callable[[str], None] | None = None,
+                 cores: CoreShare | None = None) -> None:
         """on_step(StepStats) is called on the engine thread after every step; max_waiting
         (0: no bound) bounds the requests waiting for a place in the batch; decode role:
         on_load_timeout(request_id) runs on the loop for each reservation whose KV did not
-        arrive in time (its load has ended, its request waits for the decision)."""
+        arrive in time (its load has ended, its request waits for the decision); cores: on a
+        CPU, sets each step's thread count (engine.core_share)."""
         self.engine = engine
+        self.cores = cores
         self.on_step = on_step
         self.max_waiting = max_waiting
         self.on_death = on_death
@@ -388,6 +392,8 @@ class AsyncEngine:
             if not self.engine.has_work():
                 continue
             try:
+                if self.cores is not None:
+                    self.cores.threads()
                 outputs = self.engine.step()
                 if self.on_step is not None and self.engine.last_step is not None:
                     self.on_step(self.engine.last_step)

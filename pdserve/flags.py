@@ -95,6 +95,12 @@ def add_worker(p: argparse.ArgumentParser, role: str, port: int) -> None:
     p.add_argument("--worker-id", default=None, help=f"unique id (default: {role}-<host>-<port>)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads for this worker (0: torch's default)")
+    p.add_argument("--share-cores", choices=("on", "off"), default="on",
+                   help="on CPUs with --threads > 1: run each step on as many of them as the "
+                        "host's other processes left idle since the last look (from /proc/stat; "
+                        "at least one), so two workers computing side by side take a core each "
+                        "instead of both slowing on all; off: --threads every step "
+                        "(docs/performance.md, \"Sharing the cores\")")
     _add_engine(p)
     _add_kv_offload(p)
     _add_kv_transfer(p, role)

@@ -238,9 +238,10 @@ def role_tensor_parallel(args, role: str) -> int:
 def worker_threads(requested: int, device: str, tensor_parallel: int = 1) -> int:
     """`up --threads`: as given, or for 0 (the default) on CPUs every core this process may use
     for each worker, split between its tensor-parallel ranks; on GPUs 1. The two workers share
-    the cores and take turns: while one has nothing to compute (the prefill worker once a
-    burst's prompts are done, the decode worker while it waits for their KV) the other's threads
-    use them (docs/performance.md, "Threads per worker")."""
+    the cores step by step (engine.core_share, `--share-cores`): while one has nothing to compute
+    (the prefill worker once a burst's prompts are done, the decode worker while it waits for
+    their KV) the other's threads use them all, while both compute each takes one's worth
+    (docs/performance.md, "Threads per worker")."""
     if requested > 0:
         return requested
     if not device.startswith("cpu"):

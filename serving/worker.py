@@ -186,7 +186,10 @@ async def serve(args, role: str, add_services: Callable) -> None:
     flags (else the environment). One function because its order is the contract:
     serving before registering, leaving the registry before the server and the engine stop.
     """
+    import torch
+
     from engine.async_engine import AsyncEngine
+    from engine.core_share import CoreShare
 
     auth = ClusterAuth.from_sources(getattr(args, "cluster_token_file", None))
     redis_settings = RedisSettings.from_sources(getattr(args, "redis_password_file", None),
@@ -217,9 +220,13 @@ async def serve(args, role: str, add_services: Callable) -> None:
         loop.create_task(leave())
 
     loop = asyncio.get_running_loop()
+    cores = None
+    if getattr(args, "share_cores", "off") == "on":
+        cores = CoreShare.for_worker(torch.get_num_threads(), engine.cfg.device,
+                                     engine.cfg.tensor_parallel_size)
     aengine = AsyncEngine(engine, on_step=metrics.on_step,
                           max_waiting=getattr(args, "max_waiting_requests", 0),
-                          on_death=on_death)
+                          on_death=on_death, cores=cores)
     aengine.start()
     metrics_port = args.metrics_port if args.metrics_port is not None else port + 100
     if metrics_port > 0:
@@ -269,6 +276,8 @@ async def serve(args, role: str, add_services: Callable) -> None:
 
 def _worker_metrics(role: str, ident: WorkerIdentity, engine, load: Callable):
     """The worker's Prometheus metrics; `load`: the engine's (running, waiting, free blocks)."""
+    import torch
+
     from cluster.metrics import WorkerMetrics
 
     kvm = engine.kv_manager
@@ -277,7 +286,9 @@ def _worker_metrics(role: str, ident: WorkerIdentity, engine, load: Callable):
     return WorkerMetrics(role, ident.id, engine.pool.num_blocks, load, prefix,
                          spec=engine.proposer.name if engine.proposer is not None else None,
                          transfer_refs=engine.connector.references,
-                         offload=engine.offload.stats if engine.offload is not None else None)
+                         offload=engine.offload.stats if engine.offload is not None else None,
+                         threads=torch.get_num_threads if engine.cfg.device.startswith("cpu")
+                         else None)
 
 
 async def _until_signal(loop: asyncio.AbstractEventLoop) -> asyncio.Event:

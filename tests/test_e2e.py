@@ -304,3 +304,9 @@ def test_metrics_endpoints(stack, http):
         steps = next(float(line.split()[-1]) for line in body.splitlines()
                      if line.startswith("pdserve_engine_steps_total"))
         assert steps >= 1, role
+        # every step counted by the threads it ran on (one here: the stack's workers run
+        # --threads 1, which the core share leaves alone)
+        by_threads = {line.split('threads="')[1].split('"')[0]: float(line.split()[-1])
+                      for line in body.splitlines()
+                      if line.startswith("pdserve_engine_steps_by_threads_total")}
+        assert by_threads == {"1": steps}, (role, by_threads)
