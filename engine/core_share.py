@@ -14,8 +14,9 @@ may run on) were since its last look, from /proc/stat, takes away this process's
 (time.process_time), and runs the step on as many of its threads as the other processes left
 idle: all of them while the other worker waits, one each while both compute. A core counts as
 idle when more than MIN_IDLE of it was: what another worker gets is less than it would take
-while our threads crowd it, and the gateway and clients take a little of a core. The figures are per-core jiffies (10 ms), so it decides at most every
-`interval_s` and keeps its last choice in between.
+while our threads crowd it, and the gateway and clients take a little of a core. The figures
+are per-core jiffies (10 ms), so it decides at most every `interval_s` and keeps its last choice
+in between.
 """
 
 from __future__ import annotations

@@ -274,8 +274,8 @@ def linear_method_for(device: torch.device, dtype: torch.dtype,
     CUDA). "auto" is what measured fastest on the host's kind (README, `pdserve stepbench`):
     the AMX kernel on Intel AMX hosts, our kernel where the best ISA is AVX2 and on AMD Zen 4
     (AVX-512 on 256-bit units), its AVX-512 build on other Intel AVX-512 hosts, oneDNN on other
-    AVX-512 hosts for float weights (our kernel for integer ones), F.linear elsewhere. A forced path that cannot run here is an
-    error naming why."""
+    AVX-512 hosts for float weights (our kernel for integer ones), F.linear elsewhere. A forced
+    path that cannot run here is an error naming why."""
     if choice not in LINEAR_METHODS:
         raise ValueError(f"linear method must be one of {LINEAR_METHODS}, got {choice!r}")
     quantized = isinstance(quantization, QuantScheme) or quantization == "int8"
