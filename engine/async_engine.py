@@ -5,7 +5,8 @@ one that touches the Engine; callers talk to it through a command queue, and out
 through per-request asyncio queues. Forward passes release the GIL, so the loop keeps serving
 RPCs while a step runs. The KV pool is touched only there too: transports' copies into it run
 as commands (`run`), checked against the KV connector (engine.kv_connector), which holds every
-block reference a transfer needs.
+block reference a transfer needs; senders' reads of the blocks it holds go through `read_blocks`
+(on CPUs at once, off the engine thread).
 
 Admission: with `max_waiting`, a request that would find that many waiting already is refused
 at once (Overloaded) instead of queueing without bound. If the engine thread dies, every
@@ -21,7 +22,7 @@ import logging
 import queue
 import threading
 from collections import deque
-from typing import Callable
+from typing import Awaitable, Callable
 
 from engine.core_share import CoreShare
 from engine.engine import Engine
@@ -135,6 +136,18 @@ class AsyncEngine:
         command); await the result. For the KV connector's worker side (kvtransfer.connector)
         and the senders' reads: what touches the pool runs here."""
         return self._call(fn, *args)
+
+    def read_blocks(self, fn: Callable, *args) -> Awaitable:
+        """fn(*args), a read of pool blocks that a transfer holds (engine.kv_connector: handed
+        out, final, referenced until save_done); await the result. On a CPU pool it runs at
+        once on a worker thread: no step writes those blocks, and a step's CPU writes are done
+        before its outputs (which name the blocks) leave the engine thread, so the read need
+        not wait for the step running now (a whole prefill step on a busy prefill worker). On
+        a device it is `run`: the read is queued on the engine's stream, behind the step that
+        wrote the blocks."""
+        if self.engine.kv.device.type == "cpu":
+            return asyncio.to_thread(fn, *args)
+        return self.run(fn, *args)
 
     def run_nowait(self, fn: Callable, *args) -> None:
         """fn(*args) on the engine thread, without waiting (its result is dropped)."""

@@ -181,9 +181,11 @@ class KVSender(abc.ABC):
 
     def __init__(self, run_on_pool: Callable[..., Awaitable] | None = None) -> None:
         """How the sender reads the pool (gathers, checksums): `await run_on_pool(fn, *args)`
-        runs fn(*args) on the thread that owns the pool. The prefill service passes its
-        engine's (AsyncEngine.run: between steps, and before the connector's references can go
-        back); without one (benchmarks, tests), a worker thread."""
+        runs fn(*args) where it may read blocks the connector holds for the transfer. The
+        prefill service passes its engine's (AsyncEngine.read_blocks: on a device between
+        steps on the engine thread, on a CPU at once on a worker thread; either way before the
+        connector's references can go back); without one (benchmarks, tests), a worker
+        thread."""
         self.run_on_pool = run_on_pool or _in_thread
 
     @abc.abstractmethod

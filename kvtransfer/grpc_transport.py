@@ -7,13 +7,13 @@ ordinary gRPC port, so the receiver's address is the worker's address.
 
 Blocks cross the host on both sides through kvtransfer.staging. The sender's engine thread only
 queues work: one command per send (`run_on_pool`, between steps, on the stream the engine computes
-on, behind the step that wrote the blocks, so `ready` events are not waited for) gathers the
-blocks into a copy of the sender's own (which is what frees the pool's blocks for a `save_done`
-queued after it) and, on CUDA, computes their checksums there and queues their copy into
-page-locked host memory on a copy stream; the sender's own thread waits for that copy's event
-(on CPUs: computes the checksums of the gathered copy) and serializes each message, the blocks'
-bytes written once, from host memory straight into the encoded message
-(kvtransfer.wire.chunk_bytes), which the call sends as it is. The decode engine's sink
+on, behind the step that wrote the blocks, so `ready` events are not waited for; on CPUs a worker
+thread at once: AsyncEngine.read_blocks) gathers the blocks into a copy of the sender's own (which
+is what frees the pool's blocks for a `save_done` queued after it) and, on CUDA, computes their
+checksums there and queues their copy into page-locked host memory on a copy stream; the sender's
+own thread waits for that copy's event (on CPUs: computes the checksums of the gathered copy) and
+serializes each message, the blocks' bytes written once, from host memory straight into the encoded
+message (kvtransfer.wire.chunk_bytes), which the call sends as it is. The decode engine's sink
 (kvtransfer.connector) copies received bytes back to its device through staging too.
 
 Integrity: each message carries the checksums of its blocks (kvtransfer.integrity), computed on

@@ -171,7 +171,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: run decode-only steps eagerly too")
     p.add_argument("--max-num-batched-tokens", type=int, default=0,
-                   help="token budget of one engine step (0: 2048 on CUDA, 512 elsewhere)")
+                   help="token budget of one engine step (0: 2048 on CUDA; on CPUs 256 for a "
+                        "prefill worker, 512 otherwise)")
     p.add_argument("--max-num-seqs", type=int, default=0,
                    help="most sequences in one step (0: 256 on CUDA, 64 elsewhere)")
     p.add_argument("--long-prefill-tokens", type=int, default=0,

@@ -49,8 +49,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         self.ident = ident
         self.layout = aengine.engine.layout
         self.block_bytes = block_bytes(self.layout)
-        # the sender reads the pool (gathers, checksums) on the engine thread, between steps
-        self.sender = create_sender(transport, self.layout, run_on_pool=aengine.run,
+        # the sender reads the pool (gathers, checksums) through the engine: on a device on
+        # its thread between steps, on a CPU at once (AsyncEngine.read_blocks)
+        self.sender = create_sender(transport, self.layout, run_on_pool=aengine.read_blocks,
                                     kv=aengine.engine.kv, timeout_s=timeout_s,
                                     checksum=checksum, auth=auth)
         self.transfers = metrics.transfers(transport)

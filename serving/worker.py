@@ -32,11 +32,23 @@ SERVER_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE),
                   ("grpc.so_reuseport", 0), *SERVER_KEEPALIVE]
 
 
-def resolve_device_defaults(args) -> dict:
-    """Worker flags whose default depends on the device ("auto" / 0), resolved."""
+CPU_PREFILL_STEP_TOKENS = 256    # a CPU prefill worker's step budget (see below)
+
+
+def resolve_device_defaults(args, role: str = "") -> dict:
+    """Worker flags whose default depends on the device (and role) ("auto" / 0), resolved.
+
+    A CPU prefill worker's step takes 256 tokens, where other engines take 512: its kernels
+    are compute-bound from about a hundred rows on (the AMX kernel works in blocks of 128), so a
+    larger step computes no faster and only makes the prompts in it wait for each other: two
+    256-token prompts in one step both come out at its end, one a step comes out half a step
+    earlier, with its KV on its way while the next computes (docs/performance.md, "One prompt
+    a step")."""
     cuda = args.device.startswith("cuda")
+    cpu_budget = CPU_PREFILL_STEP_TOKENS if role == "prefill" else 512
     return dict(dtype=args.dtype if args.dtype != "auto" else ("bfloat16" if cuda else "float32"),
-                max_num_batched_tokens=args.max_num_batched_tokens or (2048 if cuda else 512),
+                max_num_batched_tokens=args.max_num_batched_tokens or (2048 if cuda
+                                                                       else cpu_budget),
                 max_num_seqs=args.max_num_seqs or (256 if cuda else 64))
 
 
@@ -70,7 +82,7 @@ def build_engine(args, role: str):
                        kv_offload_gib=args.kv_offload_gib, kv_offload_dir=args.kv_offload_dir,
                        kv_offload_disk_gib=args.kv_offload_disk_gib,
                        kv_offload_min_seen=args.kv_offload_min_seen,
-                       **resolve_device_defaults(args), **_spec_config(args))
+                       **resolve_device_defaults(args, role), **_spec_config(args))
     gib = args.kv_cache_gib or (0.0 if cfg.device.startswith("cuda") else 1.0)
     if cfg.num_blocks == 0 and gib > 0:
         import dataclasses

@@ -80,6 +80,12 @@ def test_worker_defaults_follow_the_device():
     args.device, args.max_num_seqs = "cpu", 8
     assert resolve_device_defaults(args) == dict(dtype="float32", max_num_batched_tokens=512,
                                                  max_num_seqs=8)
+    for role, budget in (("decode", 512), ("prefill", 256)):     # a CPU prefill worker's step
+        assert resolve_device_defaults(args, role)["max_num_batched_tokens"] == budget
+    args.device = "cuda:0"
+    assert resolve_device_defaults(args, "prefill")["max_num_batched_tokens"] == 2048
+    args.device, args.max_num_batched_tokens = "cpu", 1024
+    assert resolve_device_defaults(args, "prefill")["max_num_batched_tokens"] == 1024
     assert place_workers("cuda", num_gpus=2) == ("cuda:0", "cuda:1", 0.9)
     assert place_workers("cuda", num_gpus=1) == ("cuda:0", "cuda:0", 0.45)
     assert place_workers("cuda:2,cuda:3") == ("cuda:2", "cuda:3", 0.9)

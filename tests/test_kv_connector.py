@@ -241,3 +241,49 @@ def test_a_reservation_whose_kv_does_not_come_times_out_on_the_engine(model_dir)
 
     rid, kept, free, refs = asyncio.run(body())
     assert rid == "r" and kept == 2 and free == 16 and refs == NONE_HELD
+
+
+def test_a_cpu_senders_read_of_held_blocks_does_not_wait_for_the_step_running(model_dir):
+    """A finished prefill's blocks are the connector's until save_done and no step writes them,
+    so on a CPU the sender reads them at once (AsyncEngine.read_blocks) instead of queueing
+    behind the step the engine thread is in: a busy prefill worker's next step held every
+    finished prompt's KV back by a whole step. Whatever the engine thread is doing, the read
+    returns the pool's bytes; `run`, the device path, still waits for the engine thread."""
+    import threading
+
+    from engine.async_engine import AsyncEngine
+
+    engine = make_engine(model_dir, role="prefill", num_blocks=16)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+    async def body():
+        aengine = AsyncEngine(engine)
+        aengine.start()
+        busy = threading.Event()
+        try:
+            q = await aengine.add(Request("p", list(range(1, 11)), params))
+            blocks = []
+            while True:
+                out = await asyncio.wait_for(q.get(), 60)
+                blocks += out.kv_blocks or []
+                if out.finished:
+                    break
+            assert blocks and engine.connector.references()["saving"] == len(blocks)
+            aengine.run_nowait(busy.wait, 60)           # the engine thread is busy (a step)
+            read = await asyncio.wait_for(
+                aengine.read_blocks(lambda: engine.kv[:, :, blocks].clone()), 10)
+            queued = aengine.run(lambda: "ran")
+            await asyncio.sleep(0.2)
+            waited = not queued.done()
+            busy.set()
+            assert await asyncio.wait_for(queued, 10) == "ran"
+            assert waited and torch.equal(read, engine.kv[:, :, blocks])
+            aengine.save_done("p")
+            await wait_until_async(lambda: engine.pool.num_free == engine.pool.num_blocks, 5,
+                                   "every block free")
+            return engine.connector.references()
+        finally:
+            busy.set()
+            aengine.stop()
+
+    assert asyncio.run(body()) == NONE_HELD
