@@ -24,6 +24,8 @@ import threading
 from collections import deque
 from typing import Awaitable, Callable
 
+import torch
+
 from engine.core_share import CoreShare
 from engine.engine import Engine
 from engine.parallel import RankFailure
@@ -144,8 +146,10 @@ class AsyncEngine:
         before its outputs (which name the blocks) leave the engine thread, so the read need
         not wait for the step running now (a whole prefill step on a busy prefill worker). On
         a device it is `run`: the read is queued on the engine's stream, behind the step that
-        wrote the blocks."""
-        if self.engine.kv.device.type == "cpu":
+        wrote the blocks; so it is under tensor parallelism, where a read of the pool
+        (engine.parallel.ShardedKV) is a command every rank runs."""
+        kv = self.engine.kv
+        if isinstance(kv, torch.Tensor) and kv.device.type == "cpu":
             return asyncio.to_thread(fn, *args)
         return self.run(fn, *args)
 

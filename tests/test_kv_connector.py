@@ -248,10 +248,12 @@ def test_a_cpu_senders_read_of_held_blocks_does_not_wait_for_the_step_running(mo
     so on a CPU the sender reads them at once (AsyncEngine.read_blocks) instead of queueing
     behind the step the engine thread is in: a busy prefill worker's next step held every
     finished prompt's KV back by a whole step. Whatever the engine thread is doing, the read
-    returns the pool's bytes; `run`, the device path, still waits for the engine thread."""
+    returns the pool's bytes; `run`, the device path, still waits for the engine thread, and so
+    does a read of a tensor-parallel pool."""
     import threading
 
     from engine.async_engine import AsyncEngine
+    from engine.parallel import ShardedKV
 
     engine = make_engine(model_dir, role="prefill", num_blocks=16)
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -281,6 +283,18 @@ def test_a_cpu_senders_read_of_held_blocks_does_not_wait_for_the_step_running(mo
             aengine.save_done("p")
             await wait_until_async(lambda: engine.pool.num_free == engine.pool.num_blocks, 5,
                                    "every block free")
+            # Tensor parallel: rank 0 sees its pool as a ShardedKV, whose reads are commands
+            # every rank runs: they stay on the engine thread, behind what it is doing.
+            plain = engine.runner.pool
+            engine.runner.pool = ShardedKV(engine.runner, engine.model_cfg.num_kv_heads)
+            busy.clear()
+            aengine.run_nowait(busy.wait, 60)
+            read = asyncio.ensure_future(aengine.read_blocks(lambda: "read"))
+            await asyncio.sleep(0.2)
+            waited = not read.done()
+            busy.set()
+            assert await asyncio.wait_for(read, 10) == "read" and waited
+            engine.runner.pool = plain
             return engine.connector.references()
         finally:
             busy.set()
