@@ -183,9 +183,10 @@ class KVSender(abc.ABC):
         """How the sender reads the pool (gathers, checksums): `await run_on_pool(fn, *args)`
         runs fn(*args) where it may read blocks the connector holds for the transfer. The
         prefill service passes its engine's (AsyncEngine.read_blocks: on a device between
-        steps on the engine thread, on a CPU at once on a worker thread; either way before the
-        connector's references can go back); without one (benchmarks, tests), a worker
-        thread."""
+        steps on the engine thread, on a CPU at once on a worker thread); a read the sender
+        awaited has returned before the connector's references go back (on a CPU, one left
+        running by a cancelled call may read blocks already given back: its result is
+        dropped). Without one (benchmarks, tests), a worker thread."""
         self.run_on_pool = run_on_pool or _in_thread
 
     @abc.abstractmethod

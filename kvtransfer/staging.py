@@ -3,8 +3,9 @@ stream plumbing every transport shares (`use_own_stream`, `recorded`, `wait_for`
 
 Device -> host (sender), in two halves, so that the thread owning the pool only queues work:
 
-  `HostStaging.gather(kv, block_ids, digest, buffer)`, on the pool's thread (the engine thread,
-  through `run_on_pool`), on its current stream behind the step that wrote the blocks: the blocks
+  `HostStaging.gather(kv, block_ids, digest, buffer)`, on the pool's thread (through
+  `run_on_pool`: the engine thread on a device; a worker thread on a CPU, where the blocks a
+  transfer holds are final), on its current stream behind the step that wrote the blocks: the blocks
   are gathered (index_select, a copy the caller owns: the pool's blocks may be freed and reused as
   soon as it returns, so a `save_done` queued after it cannot change what is sent). On CUDA the
   `digest` (the checksums) is queued there too, and both are copied asynchronously into

@@ -178,7 +178,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-prefill-tokens", type=int, default=0,
                    help="while requests wait, a prompt that cannot finish within a step's "
                         "budget takes at most this many tokens of it (0: a quarter of "
-                        "--max-num-batched-tokens); one that can is taken whole")
+                        "--max-num-batched-tokens; 128 on a CPU prefill worker of the default "
+                        "budget); one that can is taken whole")
     p.add_argument("--max-model-len", type=int, default=0,
                    help="context length limit (0: the model's max_position_embeddings)")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",

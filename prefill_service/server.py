@@ -145,7 +145,7 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         finally:
             try:
                 if stream is not None and not done:
-                    await stream.abort()            # returns once nothing reads the blocks
+                    await stream.abort()            # the call ends; what it still reads is dropped
             finally:
                 if queue is not None:
                     self.aengine.drain(queue)

@@ -45,11 +45,17 @@ def resolve_device_defaults(args, role: str = "") -> dict:
     earlier, with its KV on its way while the next computes (docs/performance.md, "One prompt
     a step")."""
     cuda = args.device.startswith("cuda")
+    cpu_prefill = role == "prefill" and not cuda and not args.max_num_batched_tokens
     cpu_budget = CPU_PREFILL_STEP_TOKENS if role == "prefill" else 512
+    # its chunk cap while prompts wait: half that step, not a quarter (64 rows would no
+    # longer keep the kernels busy)
+    cap = getattr(args, "long_prefill_tokens", 0) or (CPU_PREFILL_STEP_TOKENS // 2
+                                                      if cpu_prefill else 0)
     return dict(dtype=args.dtype if args.dtype != "auto" else ("bfloat16" if cuda else "float32"),
                 max_num_batched_tokens=args.max_num_batched_tokens or (2048 if cuda
                                                                        else cpu_budget),
-                max_num_seqs=args.max_num_seqs or (256 if cuda else 64))
+                max_num_seqs=args.max_num_seqs or (256 if cuda else 64),
+                long_prefill_tokens=cap)
 
 
 def build_engine(args, role: str):
@@ -70,7 +76,6 @@ def build_engine(args, role: str):
     cfg = EngineConfig(role=role, compute_dtype=args.compute_dtype, device=args.device,
                        block_size=args.block_size, num_blocks=args.num_blocks,
                        max_model_len=args.max_model_len,
-                       long_prefill_tokens=args.long_prefill_tokens,
                        enable_prefix_caching=args.prefix_cache, hash_seed=args.hash_seed,
                        attention_backend=args.attention_backend,
                        linear_method=args.linear_method, cpu_attention=args.cpu_attention,

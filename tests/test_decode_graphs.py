@@ -76,16 +76,22 @@ def test_worker_defaults_follow_the_device():
     args = argparse.Namespace(device="cuda:1", dtype="auto", max_num_batched_tokens=0,
                               max_num_seqs=0)
     assert resolve_device_defaults(args) == dict(dtype="bfloat16", max_num_batched_tokens=2048,
-                                                 max_num_seqs=256)
+                                                 max_num_seqs=256, long_prefill_tokens=0)
     args.device, args.max_num_seqs = "cpu", 8
     assert resolve_device_defaults(args) == dict(dtype="float32", max_num_batched_tokens=512,
-                                                 max_num_seqs=8)
-    for role, budget in (("decode", 512), ("prefill", 256)):     # a CPU prefill worker's step
-        assert resolve_device_defaults(args, role)["max_num_batched_tokens"] == budget
-    args.device = "cuda:0"
-    assert resolve_device_defaults(args, "prefill")["max_num_batched_tokens"] == 2048
+                                                 max_num_seqs=8, long_prefill_tokens=0)
+    # a CPU prefill worker's step, and its chunk cap while prompts wait (0: a quarter)
+    for role, budget, cap in (("decode", 512, 0), ("prefill", 256, 128)):
+        got = resolve_device_defaults(args, role)
+        assert (got["max_num_batched_tokens"], got["long_prefill_tokens"]) == (budget, cap)
+    args.long_prefill_tokens = 32
+    assert resolve_device_defaults(args, "prefill")["long_prefill_tokens"] == 32
+    args.device, args.long_prefill_tokens = "cuda:0", 0
+    assert resolve_device_defaults(args, "prefill") == dict(
+        dtype="bfloat16", max_num_batched_tokens=2048, max_num_seqs=8, long_prefill_tokens=0)
     args.device, args.max_num_batched_tokens = "cpu", 1024
-    assert resolve_device_defaults(args, "prefill")["max_num_batched_tokens"] == 1024
+    got = resolve_device_defaults(args, "prefill")
+    assert (got["max_num_batched_tokens"], got["long_prefill_tokens"]) == (1024, 0)
     assert place_workers("cuda", num_gpus=2) == ("cuda:0", "cuda:1", 0.9)
     assert place_workers("cuda", num_gpus=1) == ("cuda:0", "cuda:0", 0.45)
     assert place_workers("cuda:2,cuda:3") == ("cuda:2", "cuda:3", 0.9)

@@ -13,8 +13,8 @@ sender, verified by the receiver on its pool) and without ("<name> no checksum",
 --kv-checksum off), against two receiver processes that take requests in turn (a receiver
 waits idle, reading its stdin, until its turn), so load from elsewhere falls on both alike; the
 row "checksum" is the checksum of one request's blocks on one side, in this process. "pool ms"
-is the time the sender's reads of the pool (`run_on_pool`: on a prefill worker, the engine
-thread, between its steps) take per request.
+is the time the sender's reads of the pool (`run_on_pool`: on a GPU prefill worker its engine
+thread, between its steps; on a CPU one a worker thread) take per request.
 
 Baselines: memcpy = copying the same bytes between two tensors in one process (the floor for
 any transport); TCP = the same bytes through one socket to the child; cma = the same regions
