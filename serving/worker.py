@@ -45,17 +45,18 @@ def resolve_device_defaults(args, role: str = "") -> dict:
     earlier, with its KV on its way while the next computes (docs/performance.md, "One prompt
     a step")."""
     cuda = args.device.startswith("cuda")
-    cpu_prefill = role == "prefill" and not cuda and not args.max_num_batched_tokens
-    cpu_budget = CPU_PREFILL_STEP_TOKENS if role == "prefill" else 512
-    # its chunk cap while prompts wait: half that step, not a quarter (64 rows would no
-    # longer keep the kernels busy)
-    cap = getattr(args, "long_prefill_tokens", 0) or (CPU_PREFILL_STEP_TOKENS // 2
-                                                      if cpu_prefill else 0)
+    budget, cap = args.max_num_batched_tokens, getattr(args, "long_prefill_tokens", 0)
+    if not budget and cuda:
+        budget = 2048
+    elif not budget and role == "prefill":
+        # its chunk cap while prompts wait: half that step, not a quarter (64 rows would no
+        # longer keep the kernels busy)
+        budget, cap = CPU_PREFILL_STEP_TOKENS, cap or CPU_PREFILL_STEP_TOKENS // 2
+    elif not budget:
+        budget = 512
     return dict(dtype=args.dtype if args.dtype != "auto" else ("bfloat16" if cuda else "float32"),
-                max_num_batched_tokens=args.max_num_batched_tokens or (2048 if cuda
-                                                                       else cpu_budget),
-                max_num_seqs=args.max_num_seqs or (256 if cuda else 64),
-                long_prefill_tokens=cap)
+                max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs or
+                (256 if cuda else 64), long_prefill_tokens=cap)
 
 
 def build_engine(args, role: str):
