@@ -165,6 +165,7 @@ class EngineConfig:
     spec_ngram_min: int = 1              # n-gram prompt lookup: shortest and longest match
     spec_ngram_max: int = 4
     spec_disable_batch_size: int = 0     # > 0: no speculation while more sequences decode
+    spec_max_step_growth: float = 0.25   # a step's expected time grows by at most this share
     attention_backend: str = "auto"      # "torch", "triton"; auto: triton on CUDA, else torch
     cpu_attention: str = "auto"          # CPU_ATTENTION: the torch backend's CPU path
     linear_method: str = "auto"          # LINEAR_METHODS: force a CPU linear path
@@ -217,6 +218,9 @@ class EngineConfig:
                              f"{self.gpu_memory_utilization}")
         if self.spec_disable_batch_size < 0:
             raise ValueError("spec_disable_batch_size must be >= 0 (0: decided by cost)")
+        if self.spec_max_step_growth < 0:
+            raise ValueError("spec_max_step_growth must be >= 0 (0: no bound), got "
+                             f"{self.spec_max_step_growth}")
         self._check_offload()
         if not 0 < self.max_request_kv_share <= 1:
             raise ValueError("max_request_kv_share must be in (0, 1], got "

@@ -150,7 +150,8 @@ class Engine:
             proposer = DraftProposer(path, self.model_cfg, self.cfg, self.cfg.num_blocks,
                                      model=draft_model)
         return proposer, SpecController(self.cfg.num_speculative_tokens,
-                                        self.cfg.spec_disable_batch_size)
+                                        self.cfg.spec_disable_batch_size,
+                                        max_step_growth=self.cfg.spec_max_step_growth)
 
     @property
     def model(self) -> torch.nn.Module:

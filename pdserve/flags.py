@@ -221,10 +221,12 @@ def _add_kv_transfer(p: argparse.ArgumentParser, role: str) -> None:
                         "the same")
     if role == "decode":
         spec = p.add_argument_group("speculative decoding")
-        spec.add_argument("--speculative", default="off", metavar="off|ngram|draft:PATH",
+        spec.add_argument("--speculative", default="auto", metavar="auto|off|ngram|draft:PATH",
                           help="propose tokens ahead and verify them in one pass: ngram = "
                                "prompt lookup; draft:PATH = a smaller model folder with the "
-                               "same tokenizer (its KV is computed on this worker)")
+                               "same tokenizer (its KV is computed on this worker); auto = "
+                               "ngram on a CPU worker of one process, off on GPUs and "
+                               "tensor-parallel workers")
         spec.add_argument("--num-speculative-tokens", type=int, default=16,
                           help="most proposals a sequence verifies per step (fewer when its "
                                "acceptance or the batch's cost says so)")
@@ -235,6 +237,10 @@ def _add_kv_transfer(p: argparse.ArgumentParser, role: str) -> None:
         spec.add_argument("--spec-disable-batch-size", type=int, default=0,
                           help="no speculation while more sequences than this decode (0: "
                                "decided each step from the measured cost of tokens)")
+        spec.add_argument("--spec-max-step-growth", type=float, default=0.25,
+                          help="most a step's expected time may grow over the same step "
+                               "without proposals, as a share (0.25: 1.25x); bounds the time per "
+                               "token of a sequence whose proposals fail (0: no bound)")
         p.add_argument("--kv-load-failure", default="fail", choices=["fail", "recompute"],
                        help="when the KV does not arrive in time: fail the request, or compute "
                             "the prompt on this decode worker")

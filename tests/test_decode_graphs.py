@@ -17,7 +17,7 @@ from engine.cuda_graphs import DecodeGraphs, graph_buckets
 from engine.engine import Engine
 from engine.request import Request, SamplingParams
 from pdserve.launcher import place_workers
-from serving.worker import resolve_device_defaults
+from serving.worker import _spec_config, resolve_device_defaults, resolve_speculative
 from tests.test_model_parity import make_model
 
 
@@ -107,3 +107,26 @@ def test_worker_defaults_follow_the_device():
     assert place_workers("cuda:0,cuda:2", prefill_tp=2) == ("cuda:0", "cuda:2", 0.9)
     with pytest.raises(ValueError, match="tensor parallel size 4 needs as many GPUs; 2"):
         place_workers("cuda", num_gpus=2, prefill_tp=4)
+
+
+def test_speculation_by_default_on_a_cpu_worker_of_one_process():
+    """--speculative auto (the default): n-gram proposals on a CPU decode worker of one
+    process, off on a GPU and across tensor-parallel ranks; a value given is kept, and the
+    engine settings carry the step-growth bound."""
+    from pdserve import cli
+
+    parser = cli.build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    args = subs.choices["decode"].parse_args(["--model", "m"])
+    assert (args.speculative, args.spec_max_step_growth) == ("auto", 0.25)
+    assert resolve_speculative(args) == "ngram"
+    assert _spec_config(args)["speculative"] == "ngram"
+    assert _spec_config(args)["spec_max_step_growth"] == 0.25
+    args.tensor_parallel_size = 2
+    assert resolve_speculative(args) == "off" and _spec_config(args) == {}
+    args.device, args.tensor_parallel_size = "cuda:0", 1
+    assert resolve_speculative(args) == "off"
+    for given in ("off", "ngram", "draft:/m"):
+        args.speculative = given
+        assert resolve_speculative(args) == given
+
