@@ -165,7 +165,7 @@ class EngineConfig:
     spec_ngram_min: int = 1              # n-gram prompt lookup: shortest and longest match
     spec_ngram_max: int = 4
     spec_disable_batch_size: int = 0     # > 0: no speculation while more sequences decode
-    spec_max_step_growth: float = 0.25   # a step's expected time grows by at most this share
+    spec_max_step_growth: float = 0.1    # a step's expected time grows by at most this share
     attention_backend: str = "auto"      # "torch", "triton"; auto: triton on CUDA, else torch
     cpu_attention: str = "auto"          # CPU_ATTENTION: the torch backend's CPU path
     linear_method: str = "auto"          # LINEAR_METHODS: force a CPU linear path

@@ -237,9 +237,9 @@ def _add_kv_transfer(p: argparse.ArgumentParser, role: str) -> None:
         spec.add_argument("--spec-disable-batch-size", type=int, default=0,
                           help="no speculation while more sequences than this decode (0: "
                                "decided each step from the measured cost of tokens)")
-        spec.add_argument("--spec-max-step-growth", type=float, default=0.25,
+        spec.add_argument("--spec-max-step-growth", type=float, default=0.1,
                           help="most a step's expected time may grow over the same step "
-                               "without proposals, as a share (0.25: 1.25x); bounds the time per "
+                               "without proposals, as a share (0.1: 1.1x); bounds the time per "
                                "token of a sequence whose proposals fail (0: no bound)")
         p.add_argument("--kv-load-failure", default="fail", choices=["fail", "recompute"],
                        help="when the KV does not arrive in time: fail the request, or compute "

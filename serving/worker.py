@@ -375,7 +375,7 @@ def resolve_speculative(args) -> str:
     """--speculative, with "auto" resolved: n-gram proposals on a CPU worker of one process,
     off on GPUs and tensor-parallel workers. On a CPU a decode step at a small batch costs
     about a read of the weights whatever its tokens, so verified proposals come nearly free
-    (measured at 16 concurrent on 2 cores: 1.3-1.8x the output tokens a second, the same
+    (measured at 16 concurrent on 2 cores: 1.0-1.4x the output tokens a second, the same
     tokens; docs/performance.md, "N-gram speculation by default"); on GPUs, where decode
     steps replay CUDA graphs, and across tensor-parallel ranks it is not measured yet."""
     spec = getattr(args, "speculative", "off")

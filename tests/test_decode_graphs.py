@@ -118,10 +118,10 @@ def test_speculation_by_default_on_a_cpu_worker_of_one_process():
     parser = cli.build_parser()
     subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     args = subs.choices["decode"].parse_args(["--model", "m"])
-    assert (args.speculative, args.spec_max_step_growth) == ("auto", 0.25)
+    assert (args.speculative, args.spec_max_step_growth) == ("auto", 0.1)
     assert resolve_speculative(args) == "ngram"
     assert _spec_config(args)["speculative"] == "ngram"
-    assert _spec_config(args)["spec_max_step_growth"] == 0.25
+    assert _spec_config(args)["spec_max_step_growth"] == 0.1
     args.tensor_parallel_size = 2
     assert resolve_speculative(args) == "off" and _spec_config(args) == {}
     args.device, args.tensor_parallel_size = "cuda:0", 1

@@ -26,11 +26,11 @@ speculation off while more sequences than that decode.
 Throughput alone would let a step grow without bound while its sequences accept: at 16
 sequences each verifying 16 proposals a step is 272 tokens instead of 16. A sequence whose
 proposals fail rides in those steps and gets one token from each, so its time per token grows
-with the others' luck (measured at 16 concurrent on 2 cores, no bound: 191 ms per token for a
-sequence that accepted 13 of its 41 proposals, 51 ms for the median request). `max_step_growth` bounds that:
-a step's expected time may grow by at most that share over the same step without proposals,
-a + b * (sequences + other tokens), so no sequence's time per token grows by more (0: no
-bound).
+with the others' luck (at 16 concurrent on 2 cores, no bound: 191 ms per token for a sequence
+that accepted 13 of its 41 proposals, 51 ms for the median request; docs/performance.md,
+"N-gram speculation by default"). `max_step_growth` bounds that: a step's expected time may
+grow by at most that share over the same step without proposals, a + b * (sequences + other
+tokens), and so may no sequence's expected time per token (0: no bound).
 """
 
 from __future__ import annotations
