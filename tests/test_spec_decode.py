@@ -108,7 +108,7 @@ def test_controller_bounds_how_much_a_step_grows():
     """16 sequences whose proposals are all accepted, a step costing 50 ms + 2 ms a token: by
     throughput alone (a bound of 0) every one verifies 15, a 562 ms step, 6.9x the 82 ms step
     without proposals; with the growth bounded to a half the grants stop at 1.5x (20 tokens),
-    so no sequence waits on a longer step than that."""
+    so no sequence waits on a longer step than that. A sequence alone is not bounded."""
     def controller(growth):
         ctl = SpecController(max_tokens=16, probe_after=1000, max_step_growth=growth)
         for t in range(1, 33):
@@ -122,6 +122,9 @@ def test_controller_bounds_how_much_a_step_grows():
     assert sum(ks) == 20 and 0.050 + 0.002 * (16 + sum(ks)) <= 1.5 * (0.050 + 0.002 * 16)
     # prompt tokens in the step count in its time without proposals
     assert sum(controller(0.5).plan(ids, [16] * 16, other_tokens=100)) == 70
+    # one sequence alone delays nobody: unbounded; beside a prompt chunk it is bounded
+    assert controller(0.1).plan(["0"], [16]) == [16]
+    assert controller(0.1).plan(["0"], [16], other_tokens=8) == [3]     # 68 ms -> 74 ms
 
 
 def test_controller_counts_what_leaving_the_batched_decode_costs():

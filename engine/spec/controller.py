@@ -30,7 +30,8 @@ with the others' luck (at 16 concurrent on 2 cores, no bound: 191 ms per token f
 that accepted 13 of its 41 proposals, 51 ms for the median request; docs/performance.md,
 "N-gram speculation by default"). `max_step_growth` bounds that: a step's expected time may
 grow by at most that share over the same step without proposals, a + b * (sequences + other
-tokens), and so may no sequence's expected time per token (0: no bound).
+tokens), and so may no sequence's expected time per token (0: no bound). A step of one
+sequence and no prompt tokens is not bounded: there is nobody else to wait.
 """
 
 from __future__ import annotations
@@ -130,7 +131,10 @@ class SpecController:
         a, b, e = model
         c = b + self._draft_cost
         gain, time = float(n), a + b * (n + other_tokens)
-        limit = time * (1.0 + self.max_step_growth) if self.max_step_growth > 0 else float("inf")
+        # the bound protects the others in the step: one sequence alone only gains
+        shared = n > 1 or other_tokens > 0
+        limit = (time * (1.0 + self.max_step_growth) if self.max_step_growth > 0 and shared
+                 else float("inf"))
         alphas = [self.alpha(r, kd) for r, kd in zip(request_ids, kinds)]
         heap = [(-alphas[i], i) for i in range(n) if caps[i] > 0]
         heapq.heapify(heap)
