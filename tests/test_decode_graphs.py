@@ -113,11 +113,9 @@ def test_speculation_by_default_on_a_cpu_worker_of_one_process():
     """--speculative auto (the default): n-gram proposals on a CPU decode worker of one
     process, off on a GPU and across tensor-parallel ranks; a value given is kept, and the
     engine settings carry the step-growth bound."""
-    from pdserve import cli
+    from tests.test_launcher import _subcommand
 
-    parser = cli.build_parser()
-    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    args = subs.choices["decode"].parse_args(["--model", "m"])
+    args = _subcommand("decode").parse_args(["--model", "m"])
     assert (args.speculative, args.spec_max_step_growth) == ("auto", 0.1)
     assert resolve_speculative(args) == "ngram"
     assert _spec_config(args)["speculative"] == "ngram"
