@@ -36,7 +36,7 @@ ENV_VAR = "PDSERVE_CLUSTER_TOKEN"
 METADATA_KEY = "x-pdserve-cluster-token"
 PROTECTED_PREFIXES = ("/pdserve.v1.DecodeWorker/", "/pdserve.v1.PrefillWorker/")
 _STREAMING = MappingProxyType({"/pdserve.v1.DecodeWorker/Decode": "unary_stream",
-                               "/pdserve.v1.DecodeWorker/PushKV": "stream_unary"})
+                               "/pdserve.v1.DecodeWorker/PushKV": "stream_stream"})
 _SIGNATURE_CONTEXT = b"pdserve-registration-v1\n"
 # Keepalive on every channel of a deployment: a peer that vanishes without closing its TCP
 # connection (a killed host, a cut cable) is noticed within ~30 s instead of never. Servers
@@ -145,8 +145,9 @@ _REFUSAL_DRAIN_SECONDS = 1.0
 
 
 def refusal(kind: str, code: grpc.StatusCode, message: str):
-    """A method handler of that kind (unary_unary, unary_stream, stream_unary) that ends the
-    call with `code` and `message` (a server interceptor's answer instead of the servicer's)."""
+    """A method handler of that kind (unary_unary, unary_stream, stream_stream)
+    that ends the call with `code` and `message` (a server interceptor's answer instead of the
+    servicer's)."""
     async def refuse(request, context):
         await context.abort(code, message)
 
@@ -173,8 +174,8 @@ def refusal(kind: str, code: grpc.StatusCode, message: str):
 
     if kind == "unary_stream":
         return grpc.unary_stream_rpc_method_handler(refuse_stream)
-    if kind == "stream_unary":
-        return grpc.stream_unary_rpc_method_handler(refuse_client_stream)
+    if kind == "stream_stream":
+        return grpc.stream_stream_rpc_method_handler(refuse_client_stream)
     return grpc.unary_unary_rpc_method_handler(refuse)
 
 
@@ -193,9 +194,9 @@ def _client_interceptors(extra) -> list:
         async def intercept_unary_stream(self, continuation, details, request):
             return await continuation(_with_metadata(details, extra), request)
 
-    class StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
-        async def intercept_stream_unary(self, continuation, details, request_iterator):
+    class StreamStream(grpc.aio.StreamStreamClientInterceptor):
+        async def intercept_stream_stream(self, continuation, details, request_iterator):
             return await continuation(_with_metadata(details, extra), request_iterator)
 
-    return [UnaryUnary(), UnaryStream(), StreamUnary()]
+    return [UnaryUnary(), UnaryStream(), StreamStream()]
 

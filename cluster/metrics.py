@@ -295,6 +295,14 @@ class GatewayMetrics:
         self.stalls = Counter("pdserve_stream_stalls",
                               "Decode streams that produced nothing for --stream-stall-timeout",
                               registry=r)
+        self.hung = Counter("pdserve_workers_hung",
+                            "Workers found hung: no answer to a Stats call within "
+                            "--worker-probe-timeout while this gateway had calls on them",
+                            ["role"], registry=r)
+        self.local_computes = Counter("pdserve_prompts_taken_over",
+                                      "Prompts a decode worker computed itself after giving up "
+                                      "on their KV (--kv-load-failure recompute): the prefill "
+                                      "worker's call was ended, the request went on", registry=r)
         self.overloaded = Counter("pdserve_requests_overloaded",
                                   "Requests answered 429 at once: --max-in-flight reached",
                                   registry=r)

@@ -75,7 +75,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         # requests ended from outside, and the status their Decode stream ends with: ABORTED
         # for a failed KV transfer (the gateway runs it again), CANCELLED for an Abort call
         self._ended: dict[str, grpc.StatusCode] = {}
-        self._open: set[str] = set()                # requests whose Decode stream is open
+        self._open: dict[str, asyncio.Queue] = {}   # requests whose Decode stream is open
         self._pending: set[asyncio.Task] = set()
 
     def _timed_out(self, rid: str) -> None:
@@ -98,6 +98,9 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         its prompt here or fail it, as --kv-load-failure says."""
         if self.on_timeout == "recompute":
             log.warning("request %s: %s; computing the prompt here", rid, why)
+            queue = self._open.get(rid)
+            if queue is not None:       # said on the stream before any token of it can come
+                queue.put_nowait(pb.LocalCompute(reason=why))
             await self.aengine.compute_locally(rid)
         else:
             log.warning("request %s: %s", rid, why)
@@ -145,7 +148,8 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         rid = request.request_id
         finished = False
         done: set[int] = set()          # choices finished
-        self._open.add(rid)
+        self._open[rid] = queue
+        local = request.local_prefill      # the prompt is computed here (asked, or taken over)
         try:
             if request.local_prefill:
                 try:
@@ -166,6 +170,11 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                 outs = [await queue.get()]
                 while not queue.empty():               # batch what is already there
                     outs.append(queue.get_nowait())
+                if any(isinstance(o, pb.LocalCompute) for o in outs):
+                    local = True
+                    yield pb.DecodeEvent(local_compute=next(
+                        o for o in outs if isinstance(o, pb.LocalCompute)))
+                    outs = [o for o in outs if not isinstance(o, pb.LocalCompute)]
                 errors = [o.error for o in outs if o.error]
                 if errors:
                     finished = True
@@ -175,11 +184,11 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                 done.update(o.choice for o in outs if o.finished)
                 finished = len(done) >= req.params.n
                 for batch in _token_batches(outs):
-                    if request.local_prefill:
+                    if local:
                         batch.num_cached_tokens = req.num_cached_tokens
                     yield pb.DecodeEvent(tokens=batch)
         finally:
-            self._open.discard(rid)
+            self._open.pop(rid, None)
             self._ended.pop(rid, None)
             if not finished:        # the engine ends the load (one-sided: blocks kept aside)
                 self.aengine.abort_nowait(rid)

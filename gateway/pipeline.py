@@ -8,13 +8,20 @@
 
 A worker that goes away (or a KV transfer that fails) before the first token reached the client
 makes the request run again on the workers the router picks then (PipelineConfig.max_attempts).
-A decode worker that fails after tokens went out (gone, stream broken, stalled for
-stream_stall_timeout_s) hands the stream on (PipelineConfig.max_migrations): another decode
+A worker that hangs (alive, silent: gateway/liveness.py finds it within
+worker_probe_timeout_s) counts as gone. A decode worker that fails after tokens went out (gone,
+hung, stream broken, stalled for stream_stall_timeout_s) hands the stream on (PipelineConfig.max_migrations): another decode
 worker (and a prefill worker, as for a new request) computes the KV of prompt + the tokens sent
 (DecodeRequest.resume_token_ids) and goes on from there, feeding the same per-choice text state,
 so the client sees one stream; sampling is a function of (seed, output index), so the tokens are
 the ones the failed worker would have made. Requests of n > 1 are not moved (their error ends
 the stream).
+
+A decode worker that gives up on the prompt's KV and computes the prompt itself
+(--kv-load-failure recompute) says so on its stream (LocalCompute): from there the attempt is a
+local prefill, P's call is ended and its failure (the push D refused) is not the request's. As
+that event and P's failure travel different connections, a P that fails with its KV transfer
+(ABORTED) is held for prefill_grace_s while D's stream may still say it took over.
 
 Every exit (finish, stop string, worker error, consumer cancelled or closed) cancels the Decode
 stream and an unfinished Prefill call, so both workers free the request's blocks. Errors reach
@@ -39,6 +46,7 @@ from cluster.registry import WorkerInfo
 from cluster.tracing import NO_SPAN, Span, Tracing
 from gateway.choice_text import Choices, Delta, gateway_logprobs
 from gateway.errors import GatewayError
+from gateway.liveness import Liveness
 from gateway.params import PreparedRequest
 from gateway.router import PrefillTicket, Route, Router
 from gateway.timing import RequestTrace
@@ -74,6 +82,9 @@ class PipelineConfig:
     # A decode stream that sends nothing for this long (once its prompt's KV is computed) has
     # stalled: its worker counts as failed. 0 turns the check off.
     stream_stall_timeout_s: float = 120.0
+    # A worker this gateway has calls on that answers no Stats call for this long is hung (see
+    # gateway/liveness.py). 0 turns the probes off.
+    worker_probe_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if min(self.reservation_timeout_s, self.prefill_timeout_s, self.prefill_grace_s) <= 0:
@@ -84,8 +95,10 @@ class PipelineConfig:
             raise ValueError("local_prefill_share must be >= 0")
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
-        if self.max_migrations < 0 or self.stream_stall_timeout_s < 0:
-            raise ValueError("max_migrations and stream_stall_timeout_s must be >= 0")
+        if min(self.max_migrations, self.stream_stall_timeout_s,
+               self.worker_probe_timeout_s) < 0:
+            raise ValueError("max_migrations, stream_stall_timeout_s and worker_probe_timeout_s "
+                             "must be >= 0")
 
 
 class _LatencyTimer:
@@ -133,7 +146,17 @@ class Pipeline:
         self.config = config
         self.metrics = metrics or GatewayMetrics()
         self.tracing = tracing or Tracing.off()      # the front doors start their traces here
+        self.liveness = Liveness(router.channel, self._hung, config.worker_probe_timeout_s)
         self._background: set[asyncio.Task] = set()
+
+    def _hung(self, worker: WorkerInfo, hung: bool) -> None:
+        if hung:
+            self.metrics.hung.labels(role=worker.role).inc()
+        self.router.set_hung(worker, hung)
+
+    async def stop(self) -> None:
+        """Stop probing workers (the gateway's shutdown)."""
+        await self.liveness.stop()
 
     async def generate(self, prepared: PreparedRequest,
                        trace: RequestTrace | None = None) -> AsyncIterator[Delta]:
@@ -269,10 +292,11 @@ class Pipeline:
             "pdserve.worker.prefill": trace.prefill_worker_id,
             "pdserve.worker.decode": decode_w.id, "pdserve.local_prefill": local,
             "pdserve.resume_tokens": len(resume)}) if trace.traced else NO_SPAN
-        with self.router.track(*([decode_w] if local else [prefill_w, decode_w])):
+        with self.router.track(*([decode_w] if local else [prefill_w, decode_w])), \
+                self.liveness.watch(decode_w) as hung:
             try:
                 async for delta in self._stream(prepared, rid, resume, route, local, ticket,
-                                                tried, choices, trace, span):
+                                                tried, choices, trace, span, hung):
                     yield delta
             except GatewayError as exc:
                 span.error(exc.message)
@@ -283,9 +307,10 @@ class Pipeline:
 
     async def _stream(self, prepared: PreparedRequest, rid: str, resume: tuple[int, ...],
                       route: Route, local: bool, ticket: PrefillTicket, tried: set[str],
-                      choices: Choices, trace: RequestTrace, attempt: Span
-                      ) -> AsyncIterator[Delta]:
-        """The attempt's worker calls: D's Decode stream (and P's Prefill once D reserved)."""
+                      choices: Choices, trace: RequestTrace, attempt: Span,
+                      hung: asyncio.Future) -> AsyncIterator[Delta]:
+        """The attempt's worker calls: D's Decode stream (and P's Prefill once D reserved);
+        `hung` completes if D is found hung."""
         decode_w, want = route.decode, trace.want_timing
         span = trace.span("gateway.decode", attempt, "client",
                           {"pdserve.worker.id": decode_w.id}) if trace.traced else NO_SPAN
@@ -300,7 +325,7 @@ class Pipeline:
         found: dict[str, pdserve_pb2.WorkerTiming] = {}       # role -> what it reported
         try:
             if not local:
-                reservation = await self._reservation(call, decode_w, tried)
+                reservation = await self._reservation(call, decode_w, tried, hung)
                 if trace.active:
                     trace.add("reservation", time.perf_counter() - opened)
                     span.event("reservation")
@@ -309,8 +334,18 @@ class Pipeline:
                     attempt))
             watched = prefill          # until the first token: then the KV is on D
             while True:
-                tb = (await self._next_event(call, decode_w, watched, tried)).tokens
+                event = await self._next_event(call, decode_w, watched, tried, hung)
                 watched = None
+                if event.HasField("local_compute"):       # D took the prompt over
+                    log.warning("request %s: decode worker %s computes the prompt itself (%s); "
+                                "the prefill worker's call is ended", rid, decode_w.id,
+                                event.local_compute.reason)
+                    self.metrics.local_computes.inc()
+                    _discard(prefill)
+                    prefill, local = None, True
+                    trace.prefill_worker_id = decode_w.id
+                    continue
+                tb = event.tokens
                 if local:
                     ticket.release()         # its prompt is computed
                 if tb.index in choices.done or tb.index >= choices.n:
@@ -375,10 +410,11 @@ class Pipeline:
             err.retryable = any(w.id not in tried for w in self.router.workers(what))
         return err
 
-    async def _reservation(self, call, worker: WorkerInfo,
-                           tried: set[str]) -> pdserve_pb2.KVDescriptor:
+    async def _reservation(self, call, worker: WorkerInfo, tried: set[str],
+                           hung: asyncio.Future) -> pdserve_pb2.KVDescriptor:
         try:
-            event = await asyncio.wait_for(call.read(), self.config.reservation_timeout_s)
+            event = await asyncio.wait_for(_unless_hung(call.read(), hung, "decode"),
+                                           self.config.reservation_timeout_s)
         except asyncio.TimeoutError:
             log.warning("decode worker %s at %s reserved no KV blocks within %g s", worker.id,
                         worker.address, self.config.reservation_timeout_s)
@@ -407,8 +443,10 @@ class Pipeline:
                           {"pdserve.worker.id": worker.id}) if trace.traced else NO_SPAN
         start = time.perf_counter()
         try:
-            reply = await stub.Prefill(request, timeout=self.config.prefill_timeout_s,
-                                       metadata=span.headers() or None)
+            with self.liveness.watch(worker) as hung:
+                reply = await _unless_hung(stub.Prefill(
+                    request, timeout=self.config.prefill_timeout_s,
+                    metadata=span.headers() or None), hung, "prefill")
             if span:
                 span.set_many({"pdserve.prefill.prompt_tokens": reply.num_prompt_tokens,
                                "pdserve.prefill.cached_tokens": reply.num_cached_tokens,
@@ -416,8 +454,13 @@ class Pipeline:
             return reply
         except grpc.aio.AioRpcError as exc:
             err = self._failed("prefill", worker, exc, tried)
+            if exc.code() == grpc.StatusCode.ABORTED:
+                err = TransferFailed(err)
             span.error(err.message)
             raise err from None
+        except GatewayError as exc:
+            span.error(exc.message)
+            raise
         finally:
             ticket.release()
             if trace.active:
@@ -425,17 +468,21 @@ class Pipeline:
             span.end()
 
     async def _next_event(self, call, decode_w: WorkerInfo, prefill: asyncio.Task | None,
-                          tried: set[str]) -> pdserve_pb2.DecodeEvent:
-        """The next token event of D; raises the Prefill call's error as soon as it fails, and
-        a stall error when D sends nothing for stream_stall_timeout_s (once no prefill runs)."""
+                          tried: set[str], hung: asyncio.Future) -> pdserve_pb2.DecodeEvent:
+        """The next token (or LocalCompute) event of D; raises the Prefill call's error as soon
+        as it fails (unless D says it took the prompt over), a hang error once D is found hung,
+        and a stall error when D sends nothing for stream_stall_timeout_s (once no prefill
+        runs)."""
         stall = self.config.stream_stall_timeout_s
         try:
             if prefill is not None and not prefill.done():
-                event = await _read_unless_failed(call, prefill)
+                event = await _read_unless_failed(call, prefill, hung,
+                                                  self.config.prefill_grace_s)
             else:
                 if prefill is not None:
                     prefill.result()
-                event = await asyncio.wait_for(call.read(), stall or None)
+                event = await asyncio.wait_for(_unless_hung(call.read(), hung, "decode"),
+                                               stall or None)
         except asyncio.TimeoutError:
             self.metrics.stalls.inc()
             log.warning("decode worker %s at %s sent nothing for %g s", decode_w.id,
@@ -450,7 +497,7 @@ class Pipeline:
             raise GatewayError("the decode worker closed the stream before the request "
                                "finished", status=503, code="worker_unavailable",
                                retryable=True)
-        if not event.HasField("tokens"):
+        if not (event.HasField("tokens") or event.HasField("local_compute")):
             raise GatewayError("the decode worker sent an unexpected event", status=500,
                                code="worker_error")
         return event
@@ -495,13 +542,47 @@ def _route_attributes(route: Route) -> dict:
                                          for wid, cached, load in route.candidates]}
 
 
-async def _read_unless_failed(call, prefill: asyncio.Task):
+class TransferFailed(GatewayError):
+    """P's call ended ABORTED: its KV transfer to D failed. D may have answered that by
+    computing the prompt itself (its LocalCompute event may still be on its way)."""
+
+    def __init__(self, err: GatewayError) -> None:
+        super().__init__(err.message, status=err.status, code=err.code,
+                         retryable=err.retryable)
+
+
+def _hang_error(role: str, hung: asyncio.Future) -> GatewayError:
+    return GatewayError(f"the {role} worker stopped responding: {hung.result()}", status=503,
+                        code="worker_unavailable", retryable=True)
+
+
+async def _unless_hung(aw, hung: asyncio.Future, role: str):
+    """`aw`'s result, unless its worker is found hung first: then `aw` is cancelled (a call
+    ends) and a retryable GatewayError is raised."""
+    task = asyncio.ensure_future(aw)
+    try:
+        await asyncio.wait({task, hung}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise _hang_error(role, hung)
+        return task.result()
+    finally:
+        _discard(task)
+
+
+async def _read_unless_failed(call, prefill: asyncio.Task, hung: asyncio.Future,
+                              grace_s: float):
+    """D's next event while P's call runs: P's error as soon as it fails, unless P's KV
+    transfer failed and D answers within `grace_s` (it took the prompt over, or has the KV)."""
     read = asyncio.ensure_future(call.read())
     try:
-        await asyncio.wait({read, prefill}, return_when=asyncio.FIRST_COMPLETED)
-        if not read.done():
+        await asyncio.wait({read, prefill, hung}, return_when=asyncio.FIRST_COMPLETED)
+        if not read.done() and prefill.done():
+            if isinstance(prefill.exception(), TransferFailed):
+                await asyncio.wait({read, hung}, timeout=grace_s)
+                if read.done() and read.exception() is None:
+                    return read.result()
             prefill.result()  # raises the Prefill error; a success falls through to the read
-        return await read
+        return await _unless_hung(read, hung, "decode")
     finally:
         _discard(read)
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -376,6 +377,13 @@ class Router:
         self._avoid_until[worker.id] = time.monotonic() + avoid_s
         log.warning("worker %s at %s is unreachable; avoiding it for %.0f s", worker.id,
                     worker.address, avoid_s)
+
+    def set_hung(self, worker: WorkerInfo, hung: bool) -> None:
+        """A worker found hung (gateway/liveness.py) is avoided until it answers again."""
+        if hung:
+            self._avoid_until[worker.id] = math.inf
+        else:
+            self._avoid_until.pop(worker.id, None)
 
     @contextlib.contextmanager
     def track(self, *workers: WorkerInfo) -> Iterator[None]:

@@ -145,6 +145,7 @@ async def serve(args: argparse.Namespace) -> None:
             await grpc_stopped[0]
         else:
             await grpc_server.stop(grace=drain_s)
+        await pipeline.stop()
         await router.stop()
         tracing.shutdown()          # sends the spans still buffered
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -156,7 +157,8 @@ def _pipeline_config(args) -> PipelineConfig:
                           local_prefill_queue=args.local_prefill_queue,
                           local_prefill_share=args.local_prefill_share,
                           max_migrations=getattr(args, "max_migrations", 2),
-                          stream_stall_timeout_s=getattr(args, "stream_stall_timeout", 120.0))
+                          stream_stall_timeout_s=getattr(args, "stream_stall_timeout", 120.0),
+                          worker_probe_timeout_s=getattr(args, "worker_probe_timeout", 5.0))
 
 
 def _tls(args) -> tuple[str, str, str | None] | None:

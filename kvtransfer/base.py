@@ -47,7 +47,12 @@ from cluster.auth import ClusterAuth
 
 
 class KVTransferError(RuntimeError):
-    pass
+    """A transfer failed. `refused`: the receiver refused it (no reservation any more, a broken
+    rule, corrupted KV): it has given up on this KV, so sending more is pointless."""
+
+    def __init__(self, message: str, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class LayoutMismatch(KVTransferError):

@@ -50,6 +50,8 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE),
                    ("grpc.max_receive_message_length", MAX_MESSAGE)]
 # The receiver's initial metadata on a PushKV call it took (the sender writes only then).
 ACCEPTED = ("x-pdserve-kv-accepted", "1")
+# How long a refused call keeps reading what its sender wrote before the refusal reached it.
+REFUSAL_DRAIN_S = 5.0
 PUSH_KV = f"/{pb.DESCRIPTOR.services_by_name['DecodeWorker'].full_name}/PushKV"
 
 
@@ -71,6 +73,7 @@ class _GrpcSendStream(KVSendStream):
         self.layout = layout_to_pb(sender.layout)
         self.block_bytes = block_bytes(sender.layout)
         self._out: asyncio.Queue = asyncio.Queue()
+        self._refusal: pb.PushKVReply | None = None
         self.timeout_s = sender.timeout_s
         # no deadline on the call: it lasts as long as the prefill; the tail is bounded in finish
         self._call = sender._push(target.address)(self._messages())
@@ -81,24 +84,44 @@ class _GrpcSendStream(KVSendStream):
         # carries ACCEPTED): a call refused at once (a wrong token) ends with no write, so the
         # sender sees the receiver's status. A write racing that end would turn the status
         # into INTERNAL "Internal error from Core" (gRPC Python's asyncio client,
-        # grpc/grpc#36066).
+        # grpc/grpc#36066). A refusal later on is said in a reply first (_finish_call): the
+        # writes stop there, and the messages still queued are dropped.
         try:
             metadata = await self._call.initial_metadata()
         except grpc.aio.AioRpcError:
             return                              # the call's status says why (_finish_call)
         if ACCEPTED not in tuple(metadata or ()):
             return                              # refused: trailers only, the status follows
-        while (msg := await self._out.get()) is not None:
+        while (msg := await self._out.get()) is not None and self._refusal is None:
             yield msg
 
-    async def _finish_call(self):
+    async def _finish_call(self) -> pb.PushKVReply:
+        """The receiver's final reply; raises KVTransferError with its refusal's code and
+        message (said in the stream, so never lost to a status that became INTERNAL), or with
+        the call's status."""
         try:
-            return await self._call
+            reply = None
+            while (msg := await self._call.read()) is not grpc.aio.EOF:
+                reply = msg
+                if msg.refused_code:
+                    self._refusal = msg
+                    self._out.put_nowait(None)          # the writer stops: half-close
+            if self._refusal is None:
+                return reply
         except grpc.aio.AioRpcError as exc:
-            raise KVTransferError(f"KV push to {self.target.address} failed: "
-                                  f"{exc.code().name}: {exc.details()}") from None
+            if self._refusal is None:
+                raise KVTransferError(f"KV push to {self.target.address} failed: "
+                                      f"{exc.code().name}: {exc.details()}") from None
+        raise self._refused()
+
+    def _refused(self) -> KVTransferError:
+        code = _CODES.get(self._refusal.refused_code, grpc.StatusCode.UNKNOWN)
+        return KVTransferError(f"KV push to {self.target.address} refused: {code.name}: "
+                               f"{self._refusal.refused_message}", refused=True)
 
     def _failed(self) -> None:
+        if self._refusal is not None:       # stop at once, while the call ends
+            raise self._refused()
         if self._result.done():
             self._result.result()           # raises the call's error
 
@@ -183,7 +206,7 @@ class GrpcKVSender(KVSender):
         ch = self._channels.get(address)
         if ch is None:
             ch = self._channels[address] = self.auth.channel(address, CHANNEL_OPTIONS)
-        return ch.stream_unary(PUSH_KV, request_serializer=None,
+        return ch.stream_stream(PUSH_KV, request_serializer=None,
                                response_deserializer=pb.PushKVReply.FromString)
 
     def staging(self, device: torch.device) -> HostStaging:
@@ -221,17 +244,18 @@ class GrpcKVReceiver(KVReceiver):
     def address(self) -> str:
         return self._address
 
-    async def push_kv(self, requests, context: grpc.aio.ServicerContext) -> pb.PushKVReply:
+    async def push_kv(self, requests, context: grpc.aio.ServicerContext) -> None:
         """Each message is checked before any of its bytes are written; a request whose
         transfer breaks a rule is rejected (the sink fails it or computes it) and the call ends
-        with INVALID_ARGUMENT (DATA_LOSS for corrupted KV, NOT_FOUND without a reservation)."""
+        with INVALID_ARGUMENT (DATA_LOSS for corrupted KV, NOT_FOUND without a reservation,
+        FAILED_PRECONDITION for another layout), said first in a reply (`_refuse`)."""
         received = 0
         await context.send_initial_metadata((ACCEPTED,))   # the sender may write now
         async for chunk in requests:
             try:
                 check_layout(self.sink.layout, layout_from_pb(chunk.layout))
             except LayoutMismatch as exc:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+                await _refuse(requests, context, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             try:
                 ids = self.intake.admit(chunk.request_id, chunk.block_ids, len(chunk.data),
                                         chunk.checksums)
@@ -244,9 +268,25 @@ class GrpcKVReceiver(KVReceiver):
                                                first_logprob_of(chunk))
             except Refused as exc:
                 await self.intake.reject(exc)
-                await context.abort(_STATUS[exc.kind], str(exc))
-        return pb.PushKVReply(blocks_received=received)
+                await _refuse(requests, context, _STATUS[exc.kind], str(exc))
+        await context.write(pb.PushKVReply(blocks_received=received))
+
+
+async def _refuse(requests, context: grpc.aio.ServicerContext, code: grpc.StatusCode,
+                  message: str) -> None:
+    """End a PushKV call with `code`: said in a reply first, so the sender stops writing and
+    half-closes; what it had sent meanwhile is read and dropped (at most REFUSAL_DRAIN_S), and
+    only then does the status go out, with no write of the sender's left to race it."""
+    await context.write(pb.PushKVReply(refused_code=code.value[0], refused_message=message))
+
+    async def drain():
+        async for _ in requests:
+            pass
+    with contextlib.suppress(asyncio.TimeoutError, grpc.aio.AioRpcError):
+        await asyncio.wait_for(drain(), REFUSAL_DRAIN_S)
+    await context.abort(code, message)
 
 
 _STATUS = {"unknown": grpc.StatusCode.NOT_FOUND, "invalid": grpc.StatusCode.INVALID_ARGUMENT,
            "checksum": grpc.StatusCode.DATA_LOSS}
+_CODES = {c.value[0]: c for c in grpc.StatusCode}

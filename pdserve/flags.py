@@ -294,6 +294,13 @@ def add_gateway(p: argparse.ArgumentParser) -> None:
                    help="a decode stream that sends nothing for this long counts as failed: it "
                         "moves to another decode worker or ends with an error (0: off; "
                         "default: 120)")
+    p.add_argument("--worker-probe-timeout", type=non_negative_float, default=5.0,
+                   metavar="SECONDS",
+                   help="a worker this gateway has calls on is asked for its Stats every second; "
+                        "one that answers none within SECONDS is hung (a stopped process, a "
+                        "stuck device): its streams move, its waiting requests run elsewhere, and "
+                        "it is avoided until it answers again. A busy worker still answers (0: "
+                        "off; default: 5)")
     p.add_argument("--max-tokens-default", type=non_negative_int, default=1024, metavar="N",
                    help="output tokens of a chat request that gives no max_tokens/"
                         "max_completion_tokens, capped by the context left; completions keep "

@@ -137,6 +137,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
                      target.engine_id, t2 - t1)
         except KVTransferError as exc:
             self.transfers.failed("send")
+            log.warning("request %s: %s; no more KV goes to %s, the request's blocks here are "
+                        "freed%s", rid, exc, target.engine_id,
+                        " (the decode worker gave up on this KV)" if exc.refused else "")
             if transfer is not None:
                 transfer.error = str(exc)
                 transfer.checksum = "failed" if "checksum" in str(exc).lower() else \

@@ -84,14 +84,16 @@ class Stack:
         wait_until(lambda: _tcp_open(port), 20, "redis", [(p.popen, p.log)])
         return p
 
-    def start_worker(self, role: str, *extra: str, name: str | None = None) -> Proc:
+    def start_worker(self, role: str, *extra: str, name: str | None = None,
+                     env: dict | None = None) -> Proc:
+        """`env`: more environment for this worker alone."""
         port, metrics_port = free_port(), free_port()
         name = name or f"{role}-{port}"
         p = self._spawn(name, [sys.executable, "-m", "pdserve.cli", role, "--model", self.model,
                                "--port", str(port), "--metrics-port", str(metrics_port),
                                "--redis-url", self.redis_url,
                                "--threads", "1", "--kv-cache-gib", "0.25", *extra],
-                        f"127.0.0.1:{port}")
+                        f"127.0.0.1:{port}", **(env or {}))
         p.role = role
         p.metrics = f"http://127.0.0.1:{metrics_port}/metrics"
         return p
@@ -170,14 +172,16 @@ def wait_idle(*workers: Proc, timeout_s: float = 30) -> None:
 def standard_stack(model_dir, workdir: Path, decode_args: tuple[str, ...] = (),
                    gateway_args: tuple[str, ...] = (), prefills: tuple[str, ...] = ("prefill",),
                    prefill_args: tuple[str, ...] = (), decodes: tuple[str, ...] = ("decode",),
-                   env: dict | None = None, redis_args: tuple[str, ...] = ()):
+                   env: dict | None = None, redis_args: tuple[str, ...] = (),
+                   prefill_env: dict | None = None):
     """redis + prefill and decode workers (one per name) + the gateway, healthy; logs printed
-    if startup fails. `env`: given to every process; `redis_args`: redis-server flags."""
+    if startup fails. `env`: given to every process; `prefill_env`: to the prefill workers
+    too; `redis_args`: redis-server flags."""
     s = Stack(str(model_dir), workdir, env=dict(env or {}))
     try:
         s.start_redis(*redis_args)
         for name in prefills:
-            s.start_worker("prefill", *prefill_args, name=name)
+            s.start_worker("prefill", *prefill_args, name=name, env=prefill_env)
         for name in decodes:
             s.start_worker("decode", *decode_args, name=name)
         s.start_gateway(*gateway_args)

@@ -67,7 +67,7 @@ def test_the_token_interceptor_guards_every_kind_of_call():
                 yield pb.DecodeEvent(tokens=pb.TokenBatch(token_ids=[i]))
 
         async def PushKV(self, requests, context):
-            return pb.PushKVReply(blocks_received=len([c async for c in requests]))
+            yield pb.PushKVReply(blocks_received=len([c async for c in requests]))
 
         async def Stats(self, request, context):
             return pb.WorkerStats(running=7)
@@ -86,7 +86,7 @@ def test_the_token_interceptor_guards_every_kind_of_call():
                 got = []
                 for call in (lambda: stub.Stats(pb.StatsRequest(), timeout=5),
                              lambda: _read_all(stub.Decode(pb.DecodeRequest(), timeout=5)),
-                             lambda: stub.PushKV(_chunks(4), timeout=5)):
+                             lambda: _replies(stub.PushKV(_chunks(4), timeout=5))):
                     try:
                         got.append(await call())
                     except grpc.aio.AioRpcError as exc:
@@ -99,11 +99,16 @@ def test_the_token_interceptor_guards_every_kind_of_call():
 
     results = asyncio.run(run())
     right, status = results["right"]
-    assert right[0].running == 7 and right[1] == [0, 1, 2] and right[2].blocks_received == 4
+    assert right[0].running == 7 and right[1] == [0, 1, 2] and right[2][-1].blocks_received == 4
     for name in ("wrong", "none"):
         codes, status = results[name]
         assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 3, name
         assert status == 1                                      # SERVING: health stays open
+
+
+async def _replies(call) -> list:
+    """Every reply of a PushKV call (its status raised)."""
+    return [reply async for reply in call]
 
 
 async def _read_all(call):
@@ -242,7 +247,7 @@ def test_worker_rpcs_refuse_callers_without_the_token(secured, token):
                          lambda: _read_all(stub.Decode(pb.DecodeRequest(
                              request_id="x", prompt_token_ids=[1, 2, 3],
                              params=pb.SamplingParams(max_tokens=2)), timeout=10)),
-                         lambda: stub.PushKV(_chunks(2), timeout=10)):
+                         lambda: _replies(stub.PushKV(_chunks(2), timeout=10))):
                 try:
                     await call()
                     codes.append("OK")
@@ -315,7 +320,7 @@ def test_a_refused_client_stream_reports_its_status_every_time():
     UNAUTHENTICATED (before that, about 5 in 100 said INTERNAL)."""
     class Decode(pb_grpc.DecodeWorkerServicer):
         async def PushKV(self, requests, context):
-            return pb.PushKVReply(blocks_received=len([c async for c in requests]))
+            yield pb.PushKVReply(blocks_received=len([c async for c in requests]))
 
     async def run():
         server = grpc.aio.server(interceptors=ClusterAuth(TOKEN).server_interceptors())
@@ -327,7 +332,7 @@ def test_a_refused_client_stream_reports_its_status_every_time():
             stub = pb_grpc.DecodeWorkerStub(ch)
             for i in range(60):
                 try:
-                    await stub.PushKV(_chunks(4 if i % 2 else 40), timeout=5)
+                    await _replies(stub.PushKV(_chunks(4 if i % 2 else 40), timeout=5))
                     codes.append(grpc.StatusCode.OK)
                 except grpc.aio.AioRpcError as exc:
                     codes.append(exc.code())

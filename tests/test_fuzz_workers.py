@@ -509,8 +509,8 @@ def test_hostile_kv_streams(workers, before):
                          f" data={c.data[:4]!r}... checksums={list(c.checksums)} last={c.last}"
                          f" first={c.first_token_id} first_logprob=({c.first_logprob})"
                          f" layout=({c.layout})" for c in chunks))
-        code, details, _ = ended(lambda: workers.decode.PushKV(iter(chunks),
-                                                               timeout=DEADLINE_S))
+        code, details, _ = ended(lambda: list(workers.decode.PushKV(iter(chunks),
+                                                                    timeout=DEADLINE_S)))
         event(f"PushKV: {code.name}")
         assert_proper(code, details, "PushKV")
         # a stream that took a `last` for the request decodes it to the end by itself

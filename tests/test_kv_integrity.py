@@ -157,7 +157,8 @@ MALFORMED = {
 async def _push(address: str, chunks) -> grpc.aio.AioRpcError | None:
     async with grpc.aio.insecure_channel(address) as ch:
         try:
-            await pb_grpc.DecodeWorkerStub(ch).PushKV(iter(chunks))
+            async for _ in pb_grpc.DecodeWorkerStub(ch).PushKV(iter(chunks)):
+                pass
         except grpc.aio.AioRpcError as exc:
             return exc
     return None

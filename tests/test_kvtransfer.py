@@ -117,6 +117,47 @@ def test_data_for_a_request_no_longer_reserved_is_dropped(name):
     assert sink.kv.abs().sum() == 0
 
 
+def test_refusals_in_the_middle_of_a_push_reach_the_sender_with_their_own_status():
+    """200 pushes refused while the sender still has messages queued behind the refused one:
+    every sender sees the receiver's code and message (NOT_FOUND for a request no longer
+    reserved, INVALID_ARGUMENT for a block it did not reserve), never INTERNAL, which a status
+    racing the sender's writes used to become (grpc/grpc#36066); each refused request is
+    rejected once and the receiver goes on taking pushes."""
+    src = pool(8, seed=5)
+
+    async def body():
+        sink = Sink(8)
+        got = []
+        async with receiving("grpc", sink, f"127.0.0.1:{free_port()}") as receiver:
+            sender = create_sender("grpc", LAYOUT, kv=src, blocks_per_message=1)
+            try:
+                for i in range(200):
+                    rid = f"r{i}"
+                    sink.reservations[rid] = [1, 2]
+                    if i % 2 == 0:
+                        del sink.reservations[rid]       # aborted on the decode side
+                    stream = sender.open(rid, src, target(receiver, [1, 2]))
+                    with pytest.raises(KVTransferError) as info:
+                        await stream.send([3, 4, 5, 6, 7], [1, 6, 2, 0, 3])
+                        await stream.finish(5, None)
+                    got.append((i, str(info.value), info.value.refused))
+                sink.reservations["next"] = [3]
+                await sender.send("next", src, [4], target(receiver, [3]), 6, None)
+            finally:
+                await sender.close()
+        return sink, got
+
+    sink, got = asyncio.run(body())
+    for i, message, refused in got:
+        assert refused, (i, message)
+        if i % 2 == 0:
+            assert "refused: NOT_FOUND: request r" in message and "no KV reservation" in message
+        else:
+            assert "refused: INVALID_ARGUMENT:" in message and "[6] are not reserved" in message
+    assert sorted(sink.rejected) == sorted(f"r{i}" for i in range(1, 200, 2))
+    assert sink.completed == {"next": (6, None)}
+
+
 def test_nixl_keeps_aborted_blocks_aside_until_the_sender_is_done():
     src = pool(8, seed=4)
 
