@@ -18,6 +18,9 @@ the server's --tool-call-parser (hermes when none is set):
 - `tool` messages become user turns holding the parser's tool-response text (hermes:
   `<tool_response>\\n...\\n</tool_response>`; llama3_json: `Function result (name): ...`); a
   run of consecutive tool messages shares one user turn, one response per line.
+
+A message's `name` (and a custom role) must show in the prompt: a template that leaves it out
+is refused by name (`_check_names`, `_check_custom_roles`) rather than dropped without a word.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import json
 import re
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jinja2
 import jinja2.ext
@@ -40,7 +43,12 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")   # others: cu
 
 
 class ChatTemplateError(ValueError):
-    """The conversation cannot be rendered (the template raised, or the model has none)."""
+    """The conversation cannot be rendered (the template raised, or the model has none), or
+    the template would leave part of it out; `param` is the request field to name."""
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def load_chat_template(model_dir: Path, tok_config: dict) -> str | None:
@@ -93,10 +101,25 @@ def render_chat(template: jinja2.Template | None, messages: list[dict], *, suppo
                 variables: Mapping[str, str], add_generation_prompt: bool = True,
                 tools: list[dict] | None = None, tool_parser: str | None = None) -> str:
     """The prompt text of a conversation (`Tokenizer.render_chat` documents the arguments);
-    ChatTemplateError carries the template's message. `supports_tools`: the template reads
-    `tools` itself (`template_uses_tools`), else the default rendering is used."""
+    ChatTemplateError carries the template's message, or says which custom role or message
+    `name` the template leaves out. `supports_tools`: the template reads `tools` itself
+    (`template_uses_tools`), else the default rendering is used."""
     if template is None:
         raise ChatTemplateError("this model has no chat template; use /v1/completions")
+
+    def render(conversation: list[dict]) -> str:
+        return _render(template, conversation, supports_tools=supports_tools,
+                       variables=variables, add_generation_prompt=add_generation_prompt,
+                       tools=tools, tool_parser=tool_parser)
+
+    text = render(messages)
+    _check_names(render, messages)
+    return text
+
+
+def _render(template: jinja2.Template, messages: list[dict], *, supports_tools: bool,
+            variables: Mapping[str, str], add_generation_prompt: bool,
+            tools: list[dict] | None, tool_parser: str | None) -> str:
     tools = list(tools) if tools else None
     if not supports_tools and (tools or has_tool_content(messages)):
         messages, tools = fallback_messages(messages, tools, tool_parser), None
@@ -109,6 +132,30 @@ def render_chat(template: jinja2.Template | None, messages: list[dict], *, suppo
         raise ChatTemplateError(f"chat template error: {exc}") from exc
     _check_custom_roles(messages, text)
     return text
+
+
+def _name_probe(index: int) -> str:
+    """A name no template or conversation holds by chance (lower case letters and digits, so a
+    template's case and whitespace filters keep it as it is; its end marks where it ends)."""
+    return f"pdservenameprobe{index}x"
+
+
+def _check_names(render: Callable[[list], str], messages: Sequence[Mapping]) -> None:
+    """A message's `name` must reach the prompt: a template that does not read it drops it
+    without a word, and the model would never see it. The conversation is rendered again with
+    each given name replaced by a probe (the real name could show in the text by chance, e.g.
+    a name that is also a role); a probe missing from that text is a ChatTemplateError naming
+    the message's name. A conversation without names is not rendered again."""
+    named = [i for i, m in enumerate(messages) if m.get("name") is not None]
+    if not named:
+        return
+    probe = [dict(m, name=_name_probe(i)) if i in named else m for i, m in enumerate(messages)]
+    text = render(probe)
+    for i in named:
+        if _name_probe(i) not in text:
+            raise ChatTemplateError(f"this model's chat template does not render a message's "
+                                    f"name (messages[{i}].name): the model would never see it; "
+                                    f"leave name out", f"messages[{i}].name")
 
 
 def _check_custom_roles(messages: Iterable[Mapping], text: str) -> None:

@@ -194,6 +194,9 @@ class GenerationParams:
                                   "raw logprobs, deterministically); leave it unset", name)
         if self.top_k not in (0, -1):
             raise bad_request("top_k does not apply to beam search; leave it unset", "top_k")
+        if self.seed is not None:
+            raise bad_request("seed does not apply to beam search (it draws nothing: the same "
+                              "request always gives the same beams); leave it unset", "seed")
         for name in ("logit_bias", "stop", "stop_token_ids", "structured"):
             if getattr(self, name):
                 raise bad_request(f"{name} is not supported with beam search",
@@ -376,7 +379,7 @@ class RequestPreparer:
                     list(prompt.messages), tools=list(prompt.tools) if prompt.tools else None,
                     tool_parser=prompt.tool_parser or None))
             except ChatTemplateError as exc:
-                raise bad_request(str(exc), "messages") from exc
+                raise bad_request(str(exc), exc.param) from exc
         if prompt.text is not None:
             if not prompt.text:
                 raise bad_request("prompt must not be empty", "prompt")
@@ -400,11 +403,21 @@ class RequestPreparer:
                 raise bad_request(f"{param}: token id {tok} is out of the vocabulary range "
                                   f"[0, {vocab})", param)
 
-    def truncated(self, ids: tuple[int, ...], keep: int | None, side: str | None
-                  ) -> tuple[int, ...]:
+    @staticmethod
+    def _check_truncation_side(keep: int | None, side: str | None) -> None:
+        """`side` is "left", "right" or None, and given only with `keep` (without it, it would
+        change nothing)."""
         if side not in (None, "left", "right"):
             raise bad_request(f"truncation_side must be 'left' or 'right', got {side!r}",
                               "truncation_side")
+        if side is not None and keep is None:
+            raise bad_request("truncation_side applies to truncate_prompt_tokens, which is not "
+                              "given: set truncate_prompt_tokens too, or leave truncation_side "
+                              "out", "truncation_side")
+
+    def truncated(self, ids: tuple[int, ...], keep: int | None, side: str | None
+                  ) -> tuple[int, ...]:
+        """IDS cut to KEEP tokens on SIDE (checked by _check_truncation_side)."""
         if keep is None:
             return ids
         limit = self.served.max_model_len
@@ -451,11 +464,13 @@ class RequestPreparer:
         `client_request_id`, so two clients can never collide on a worker.
         `truncate_prompt_tokens` (vLLM's): keep that many prompt tokens (-1: the context
         length less one), the last ones (`truncation_side` "left", the default) or the first
-        ("right"); chat prompts are cut after the template."""
+        ("right"); chat prompts are cut after the template. `truncation_side` without
+        `truncate_prompt_tokens` is refused (it would change nothing)."""
         self.check_model(model)
         if len(client_request_id) > MAX_REQUEST_ID:
             raise bad_request(f"request_id must be at most {MAX_REQUEST_ID} characters",
                               "request_id")
+        self._check_truncation_side(truncate_prompt_tokens, truncation_side)
         ids = self.truncated(self.prompt_ids(prompt), truncate_prompt_tokens, truncation_side)
         max_tokens = self._max_tokens(params, prompt.kind, len(ids))
         if params.min_tokens > max_tokens:

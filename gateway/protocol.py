@@ -7,7 +7,8 @@ Beyond OpenAI's fields, vLLM's sampling extensions are accepted (top_k, min_p,
 repetition_penalty, min_tokens, stop_token_ids, include_stop_str_in_output,
 skip_special_tokens, ignore_eos, structured_outputs and its older guided_* spellings), so
 clients written for vLLM work unchanged. Accepted but limited: best_of (only = n),
-suffix (only none); `user` is an end-user id for the caller's
+suffix (only none), response_format's json_schema.strict (only true: the schema is always
+enforced); `user` is an end-user id for the caller's
 records and changes nothing. Range checks shared with the gRPC front door live in params.py;
 the OpenAPI schema states them (and the rules across fields that as_template_dict, params.py and
 gateway/tools/ apply) so that it describes exactly the requests that are valid, bar what it cannot
@@ -117,6 +118,8 @@ _MESSAGE_RULES = {"allOf": [
     {"if": {"properties": {"role": {"not": {"const": "assistant"}}}},
      "then": {"properties": {"tool_calls": {"type": "null"}}}}]}
 _STREAM_OPTIONS_RULE = _requires({"stream_options": _NOT_NULL}, {"stream": {"const": True}})
+_TRUNCATION_RULE = _requires({"truncation_side": _NOT_NULL},
+                             {"truncate_prompt_tokens": _NOT_NULL})
 
 _TEXT_PART = {"type": "object", "properties": {"type": {"const": "text"},
                                                "text": {"type": "string"}},
@@ -142,8 +145,21 @@ _TOOL_CHOICE = {"anyOf": [
 
 
 class StreamOptions(_Strict):
+    """`continuous_usage_stats` (every chunk carries its usage) needs `include_usage` too:
+    vLLM ignores it alone, pdserve refuses it."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_requires(
+        {"continuous_usage_stats": {"const": True}}, {"include_usage": {"const": True}}))
+
     include_usage: bool = False
-    continuous_usage_stats: bool = False     # with include_usage: every chunk has its usage
+    continuous_usage_stats: bool = False
+
+    def check(self) -> None:
+        if self.continuous_usage_stats and not self.include_usage:
+            param = "stream_options.continuous_usage_stats"
+            raise bad_request(f"{param} needs stream_options.include_usage (vLLM ignores it "
+                              "alone): set include_usage true too, or leave "
+                              "continuous_usage_stats out", param)
 
 
 class NvExt(_Strict):
@@ -278,10 +294,14 @@ class StructuredOutputs(_Strict):
 
 
 class JsonSchemaFormat(_Strict):
+    """OpenAI's json_schema response format. The schema is always enforced (a token mask), so
+    `strict` may be true or absent; false, which would let the output stray from it, is
+    refused."""
+
     name: str | None = None
     description: str | None = None
     schema_: dict | None = None
-    strict: bool | None = None
+    strict: bool | None = _shaped(anyOf=[{"const": True}, _NULL])
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True,
                               alias_generator=lambda name: "schema" if name == "schema_" else name)
@@ -299,6 +319,10 @@ class ResponseFormat(_Strict):
         if self.json_schema is None or self.json_schema.schema_ is None:
             raise bad_request("response_format of type json_schema needs json_schema.schema",
                               "response_format.json_schema")
+        if self.json_schema.strict is False:
+            raise bad_request("response_format.json_schema.strict false is not supported: "
+                              "pdserve always enforces the schema; send strict true or omit it",
+                              "response_format.json_schema.strict")
         return Structured("json_schema", json.dumps(self.json_schema.schema_, ensure_ascii=False))
 
 
@@ -365,6 +389,8 @@ class _CommonRequest(RequestBody):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true",
                               "stream_options")
+        if self.stream_options is not None:
+            self.stream_options.check()
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise bad_request(f"best_of other than n is not supported, got best_of="
                               f"{self.best_of} with n={self.n or 1}", "best_of")
@@ -454,7 +480,7 @@ class CompletionRequest(_CommonRequest):
     `prompt` may be a list of prompts (strings or token lists): one choice per prompt (n each)."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": [
-        _STREAM_OPTIONS_RULE]})
+        _STREAM_OPTIONS_RULE, _TRUNCATION_RULE]})
 
     prompt: Union[str, list[TokenId], list[str], list[list[TokenId]]] = _shaped(..., anyOf=[
         _TEXT, _ids(minItems=1), {"type": "array", "items": _TEXT, "minItems": 1},
@@ -489,7 +515,7 @@ class ChatCompletionRequest(_CommonRequest):
     """POST /v1/chat/completions. `logprobs` is a flag; `top_logprobs` the alternatives (0..20)."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": [
-        _STREAM_OPTIONS_RULE,
+        _STREAM_OPTIONS_RULE, _TRUNCATION_RULE,
         _requires({"top_logprobs": {"type": "integer", "minimum": 1}},
                   {"logprobs": {"const": True}}),
         _requires({"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},

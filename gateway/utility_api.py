@@ -124,7 +124,7 @@ class UtilityServer:
             text = self.tokenizer.render_chat(messages,
                                               add_generation_prompt=chat.add_generation_prompt)
         except ChatTemplateError as exc:
-            raise bad_request(str(exc), "messages") from exc
+            raise bad_request(str(exc), exc.param) from exc
         return self.tokenizer.encode(text, add_special_tokens=chat.add_special_tokens)
 
     def detokenize(self, body: dict[str, Any]) -> dict:

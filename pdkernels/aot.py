@@ -293,7 +293,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     from pdkernels.aot_cases import ENTRIES
 
     p = argparse.ArgumentParser(
-        prog="python -m pdkernels.aot",
+        prog="python -m pdkernels.aot", allow_abbrev=False,
         description="Compile every Triton kernel of pdkernels/ for a CUDA GPU without one, at the "
                     "launch parameters the engine uses, and report registers, spills and shared "
                     "memory. Exit status 1 on a compile error, shared memory over the limit or "

@@ -19,8 +19,10 @@ from pdserve.flags import (ROLE_DESCRIPTIONS, ROLES, WORKER_PORTS, FlagFileParse
 # default); they are not `up` flags.
 WORKER_PLUMBING = frozenset({"--host", "--port", "--advertise-host", "--redis-url", "--worker-id",
                              "--metrics-port"})
+# --api-key: secrets never go on a command line `up` builds (`up --api-key` hands them over in
+# the gateway's environment: launcher.hand_over_api_keys)
 GATEWAY_PLUMBING = frozenset({"--host", "--http-port", "--grpc-port", "--redis-url",
-                              "--api-key"})     # secrets never go on a command line `up` builds
+                              "--api-key"})
 # Every child gets these from the `up` flag of the same name.
 SHARED_FLAGS = frozenset({"--model", "--served-model-name", "--log-level"})
 # Worker flags `up` defines itself, with a meaning of its own: --device also takes
@@ -166,6 +168,12 @@ def _add_up(sub) -> None:
         "gateway", "Passed to the gateway (see `pdserve gateway -h`). A flag not given keeps "
                    "the gateway's default.")
     _add_passthrough(workers, gateway)
+    gateway.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                         help="a key clients must send, as `pdserve gateway --api-key` "
+                              "(repeatable); `up` hands its gateway the keys in "
+                              "$PDSERVE_API_KEY, beside any already there, never on its "
+                              "command line. Every key of --api-key, --api-key-file and "
+                              "$PDSERVE_API_KEY is accepted")
     gateway.add_argument("--ssl-client-certfile", default=None, metavar="PEM",
                          help="under mutual TLS (--ssl-ca-certs): the client certificate `up` "
                               "presents to its gateway's /health while it waits for the stack "

@@ -318,9 +318,9 @@ def add_gateway(p: argparse.ArgumentParser) -> None:
     auth = p.add_argument_group("authentication and TLS")
     auth.add_argument("--api-key", action="append", default=None, metavar="KEY",
                       help="a key clients must send (REST: Authorization: Bearer KEY; gRPC: "
-                           "the same authorization metadata); repeatable; also "
-                           "--api-key-file and $PDSERVE_API_KEY (comma-separated, the way to "
-                           "give keys to pdserve up). None: the gateway is open")
+                           "the same authorization metadata); repeatable. Keys come from "
+                           "--api-key-file and $PDSERVE_API_KEY (comma-separated) too: every "
+                           "key of the three is accepted. None: the gateway is open")
     auth.add_argument("--api-key-file", default=None, metavar="FILE",
                       help="keys, one per line (# comments)")
     auth.add_argument("--protect-metrics", action="store_true",
@@ -346,7 +346,8 @@ def role_parser(role: str, parser_class: type = argparse.ArgumentParser
                 ) -> argparse.ArgumentParser:
     """A standalone parser of `pdserve ROLE` (prefill, decode, gateway): the same definitions
     as the subcommand's."""
-    p = parser_class(prog=f"pdserve {role}", description=ROLE_DESCRIPTIONS[role])
+    p = parser_class(prog=f"pdserve {role}", description=ROLE_DESCRIPTIONS[role],
+                     allow_abbrev=False)
     if role == "gateway":
         add_gateway(p)
     else:
@@ -356,10 +357,14 @@ def role_parser(role: str, parser_class: type = argparse.ArgumentParser
 
 class FlagFileParser(argparse.ArgumentParser):
     """Reads `@FILE` arguments as flags, a line of whitespace-separated words each (shell
-    quoting; `#` starts a comment): how deploy/k8s passes a ConfigMap of flags."""
+    quoting; `#` starts a comment): how deploy/k8s passes a ConfigMap of flags. Takes no
+    abbreviation of a flag (`--api-key` is never read as `--api-key-file`); its subcommands'
+    parsers are FlagFileParsers too (argparse makes them of the parent's class), so neither
+    does any `pdserve` command."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("fromfile_prefix_chars", "@")
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
     def convert_arg_line_to_args(self, arg_line: str) -> list[str]:

@@ -369,7 +369,7 @@ def sampler_check(report: Report, device: str, quick: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="gpucheck", description=__doc__,
+    p = argparse.ArgumentParser(prog="gpucheck", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", help="torch device (cuda or cuda:N)")
     p.add_argument("--quick", action="store_true",

@@ -12,7 +12,8 @@ SIGTERM if this process dies without cleaning up.
 
 Secrets: unless a deployment token is given (--cluster-token-file or $PDSERVE_CLUSTER_TOKEN),
 `up` makes a fresh one and hands it to its children in their environment; the Redis it starts
-has a fresh password (in a 0600 config file, never on a command line), handed over the same way.
+has a fresh password (in a 0600 config file, never on a command line), handed over the same way;
+so are the client API keys of `up --api-key` ($PDSERVE_API_KEY, hand_over_api_keys).
 """
 
 from __future__ import annotations
@@ -289,6 +290,23 @@ def child_commands(args, model: Path, redis_url: str,
     return commands
 
 
+def hand_over_api_keys(args) -> None:
+    """`up --api-key KEY`: the keys go to the gateway in $PDSERVE_API_KEY (children inherit the
+    environment; the workers do not read it), after any keys already there, so they are on no
+    child's command line. The variable is comma-separated: a key holding a comma is refused
+    (SystemExit), a key file takes it."""
+    from gateway.auth import ENV_VAR
+
+    keys = [k.strip() for k in getattr(args, "api_key", None) or () if k.strip()]
+    if not keys:
+        return
+    if any("," in k for k in keys):
+        raise SystemExit("--api-key: a key holding ',' cannot be handed to the gateway in "
+                         f"${ENV_VAR} (comma-separated); put it in a file for --api-key-file")
+    given = [k for k in os.environ.get(ENV_VAR, "").split(",") if k.strip()]
+    os.environ[ENV_VAR] = ",".join(given + keys)
+
+
 def _deployment_token(args) -> None:
     """Make the stack's token unless one is given (children inherit the environment)."""
     from cluster.auth import ENV_VAR
@@ -300,6 +318,7 @@ def _deployment_token(args) -> None:
 def _start_all(args, stack: Stack) -> tuple[Path, str, "GatewayProbe"]:
     model = _ensure_model(args.model)
     _deployment_token(args)
+    hand_over_api_keys(args)
     redis_url = args.redis_url or _start_redis(stack, args.redis_port)
     commands = child_commands(args, model, redis_url)
     probe = GatewayProbe.for_gateway(commands["gateway"], args.http_port,
@@ -400,8 +419,8 @@ class GatewayProbe:
         except urllib.error.HTTPError as exc:
             if exc.code == 401:
                 raise SystemExit("the gateway wants an API key on /health (--protect-metrics) "
-                                 "and pdserve up has none: give the keys in $PDSERVE_API_KEY "
-                                 "or --api-key-file") from None
+                                 "and pdserve up has none: give the keys with --api-key, in "
+                                 "$PDSERVE_API_KEY or with --api-key-file") from None
             return False
         except (urllib.error.URLError, OSError, ValueError):
             # No answer: not listening yet (cheap to ask again), or a refused handshake, which

@@ -83,6 +83,15 @@ CASES = [
     (_req(pb.SamplingParams(max_tokens=4, stop=["a"] * 17)),
      {"prompt": "Hello", "stop": ["a"] * 17},
      grpc.StatusCode.INVALID_ARGUMENT),
+    # a field that would change nothing is refused by name, as on REST
+    (_req(truncation_side="right"), {"prompt": "Hello", "truncation_side": "right"},
+     grpc.StatusCode.INVALID_ARGUMENT),
+    (_req(pb.SamplingParams(max_tokens=4, beam_width=2, seed=7)),
+     {"prompt": "Hello", "use_beam_search": True, "n": 2, "seed": 7},
+     grpc.StatusCode.INVALID_ARGUMENT),
+    (_req(truncate_prompt_tokens=2, truncation_side="right"), None,
+     grpc.StatusCode.UNAVAILABLE),
+    (_req(pb.SamplingParams(max_tokens=4, beam_width=2)), None, grpc.StatusCode.UNAVAILABLE),
     (_req(text=None, chat=pb.ChatMessages()), None, grpc.StatusCode.INVALID_ARGUMENT),
     (_req(model="gpt-4"), {"prompt": "Hello", "model": "gpt-4"}, grpc.StatusCode.NOT_FOUND),
     (_req(), None, grpc.StatusCode.UNAVAILABLE),
@@ -103,6 +112,9 @@ def test_generate_validation_matches_rest(preparer):
                 assert details == rest_msg
     assert "no decode worker is available" in results[-1][1]
     assert "messages must not be empty" in results[-4][1]
+    said = {details for _, details in results}
+    assert any(d.startswith("truncation_side applies to truncate_prompt_tokens") for d in said)
+    assert any(d.startswith("seed does not apply to beam search") for d in said)
 
 
 def _undecodable(text: bytes) -> bytes:

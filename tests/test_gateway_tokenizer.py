@@ -157,3 +157,26 @@ def test_no_template_and_eos_lists(model_dir, tmp_path):
     assert tok.eos_token_ids == {0, 2}
     with pytest.raises(ChatTemplateError, match="no chat template"):
         tok.render_chat([{"role": "user", "content": "x"}])
+
+
+def test_a_name_renders_or_is_refused(tok, model_dir, tmp_path):
+    """A message's name must reach the prompt: the default model's template drops every name
+    (refused, naming the message, even a name the prompt holds anyway as a role); a template
+    that shows a user's name renders it; a tool result's name is the function's in the
+    llama3_json rendering, which shows it, and not in hermes'."""
+    with pytest.raises(ChatTemplateError, match=r"messages\[1\]\.name") as err:
+        tok.render_chat([{"role": "user", "content": "Hi"},
+                         {"role": "assistant", "content": "Hey", "name": "assistant"}])
+    assert err.value.param == "messages[1].name"
+    shows = ("{% for m in messages %}<{{ m.role }}{% if m.role == 'user' and m.name %} "
+             "{{ m.name }}{% endif %}>{{ m.content }}{% endfor %}")
+    named = Tokenizer(_copy_model(model_dir, tmp_path, {"chat_template": shows}))
+    assert named.render_chat([{"role": "user", "content": "Hi", "name": "Ada"}]) == "<user Ada>Hi"
+    with pytest.raises(ChatTemplateError, match=r"messages\[0\]\.name"):
+        named.render_chat([{"role": "system", "content": "x", "name": "Ada"}])
+    result = [{"role": "user", "content": "Weather?"},
+              {"role": "tool", "content": "sunny", "tool_call_id": "c1", "name": "weather"}]
+    assert "Function result (weather): sunny" in tok.render_chat(result,
+                                                                 tool_parser="llama3_json")
+    with pytest.raises(ChatTemplateError, match=r"messages\[1\]\.name"):
+        tok.render_chat(result, tool_parser="hermes")

@@ -7,6 +7,7 @@ type's bounds, a batch larger than --max-in-flight; after each the app still ser
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from fastapi.testclient import TestClient
@@ -118,6 +119,13 @@ BAD_COMPLETIONS = [
     (dict(seed=-1), "seed", "seed"),
     (dict(foo=1), "foo", "unrecognized request argument: foo"),
     (dict(stream_options={"bogus": True}), "stream_options.bogus", "unrecognized"),
+    # fields that would change nothing are refused by name, never ignored
+    (dict(stream=True, stream_options={"continuous_usage_stats": True}),
+     "stream_options.continuous_usage_stats", "needs stream_options.include_usage"),
+    (dict(truncation_side="right"), "truncation_side",
+     "truncation_side applies to truncate_prompt_tokens"),
+    (dict(truncation_side="left"), "truncation_side", "set truncate_prompt_tokens too"),
+    (dict(use_beam_search=True, n=2, seed=7), "seed", "seed does not apply to beam search"),
 ]
 
 
@@ -149,6 +157,20 @@ BAD_CHATS = [
     (dict(n=30), "n", "between 1 and 16"),
     (dict(stream=False, stream_options={"include_usage": True}), "stream_options",
      "only allowed when stream"),
+    (dict(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}, "strict": False}}),
+     "response_format.json_schema.strict", "pdserve always enforces the schema"),
+    (dict(stream=True, stream_options={"include_usage": False, "continuous_usage_stats": True}),
+     "stream_options.continuous_usage_stats", "needs stream_options.include_usage"),
+    (dict(truncation_side="left"), "truncation_side", "applies to truncate_prompt_tokens"),
+    (dict(use_beam_search=True, seed=0), "seed", "seed does not apply to beam search"),
+    # the default model's template renders no name: the model would never see it. "user" shows
+    # in the prompt anyway (as a role): the check does not look for the name itself
+    (dict(messages=[{"role": "user", "content": "Hi", "name": "bob"}]), "messages[0].name",
+     "does not render a message's name"),
+    (dict(messages=[{"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Hi", "name": "user"}]), "messages[1].name",
+     "does not render a message's name"),
 ]
 
 
@@ -207,6 +229,14 @@ def test_missing_fields_are_400(client):
         max_completion_tokens=5, include_stop_str_in_output=True, skip_special_tokens=False)),
     ("/v1/chat/completions", {"model": MODEL, "messages": [    # a custom role the template renders
         {"role": "my-custom-role", "content": [{"type": "text", "text": "what is 1+1?"}]}]}),
+    # what the refusals above need: include_usage, truncate_prompt_tokens, no seed; strict
+    # absent (true is above)
+    ("/v1/completions", _completion(stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True})),
+    ("/v1/chat/completions", _chat(truncate_prompt_tokens=4, truncation_side="right")),
+    ("/v1/completions", _completion(use_beam_search=True, n=2)),
+    ("/v1/chat/completions", _chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}}})),
 ])
 def test_valid_requests_without_workers_are_503(client, path, body):
     _assert_error(client.post(path, json=body), 503, None, "no decode worker is available")
@@ -480,3 +510,47 @@ def test_a_batch_larger_than_max_in_flight_is_a_400_naming_the_flag(bounded):
     assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
     _assert_error(client.post("/v1/completions", json=_completion(prompt=["x"] * 65)), 400,
                   "prompt", "at most 64 prompts")
+
+
+# ------------------------------------------------------------------------ a message's name
+
+# A ChatML template that shows a user's name beside its role, and no other role's.
+NAMED_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}{% if m.role == 'user' and "
+                  "m.name is defined %} ({{ m.name }}){% endif %}\n{{ m.content }}<|im_end|>\n"
+                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def named(model_dir, tmp_path_factory):
+    """An app whose model's chat template renders user messages' names."""
+    folder = tmp_path_factory.mktemp("named")
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json",
+                 "generation_config.json"):
+        shutil.copy(model_dir / name, folder / name)
+    (folder / "chat_template.jinja").write_text(NAMED_TEMPLATE)
+    preparer = RequestPreparer(Tokenizer(folder), ServedModel(MODEL, MAX_LEN))
+    router = Router(NOWHERE)
+    with TestClient(create_app(preparer, Pipeline(router, preparer.tokenizer), router)) as c:
+        yield c
+
+
+def test_a_name_the_template_renders_reaches_the_prompt(named):
+    """Accepted where the template shows it (the prompt holds it), refused by name on a
+    message whose role the template shows no name for."""
+    conversation = [{"role": "user", "content": "Hi", "name": "Ada"}]
+    _assert_error(named.post("/v1/chat/completions", json=_chat(messages=conversation)), 503,
+                  None, "no decode worker is available")
+    tokens = named.post("/tokenize", json={"model": MODEL, "messages": conversation}).json()
+    prompt = named.post("/detokenize", json={"model": MODEL, "tokens": tokens["tokens"]}).json()
+    assert prompt["prompt"].startswith("<|im_start|>user (Ada)")
+    answered = conversation + [{"role": "assistant", "content": "Hello", "name": "bot"}]
+    _assert_error(named.post("/v1/chat/completions", json=_chat(messages=answered)), 400,
+                  "messages[1].name", "does not render a message's name")
+
+
+def test_tokenize_refuses_a_name_the_template_drops(client):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi", "name": "Ada"}]}
+    _assert_error(client.post("/tokenize", json=body), 400, "messages[0].name",
+                  "does not render a message's name")
+    del body["messages"][0]["name"]
+    assert client.post("/tokenize", json=body).status_code == 200

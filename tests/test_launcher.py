@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pdserve import cli
-from pdserve.launcher import child_commands, worker_threads
+from pdserve.launcher import GatewayProbe, child_commands, hand_over_api_keys, worker_threads
 from tests.stack import free_port
 from tests.up_process import STOP_TIMEOUT_S, Up, assert_all_gone, stream_chat
 
@@ -42,6 +42,28 @@ def test_up_serves_then_ctrl_c_stops_everything(up):
     code, children = up.stop(signal.SIGINT)
     assert code == 0, up.output()[-3000:]
     assert_all_gone(up, children)
+
+
+@pytest.mark.slow
+def test_up_api_key_guards_the_gateway_and_stays_off_every_command_line(model_dir, tmp_path):
+    """`pdserve up --api-key KEY` (vLLM's spelling): the gateway wants that key (401 without
+    it) and the key is on no child's command line and not in `up`'s log."""
+    import httpx
+
+    key = "sk-up-flag-key"
+    up = Up(model_dir, tmp_path, "--api-key", key)
+    try:
+        up.wait_ready()
+        assert "(API keys required)" in up.output()
+        base = f"http://127.0.0.1:{up.ports['http']}/v1"
+        assert httpx.get(base + "/models", timeout=30).status_code == 401
+        ok = httpx.get(base + "/models", timeout=30, headers={"Authorization": f"Bearer {key}"})
+        assert ok.status_code == 200, ok.text
+        for name, pid in up.children().items():
+            assert key not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(), name
+        assert key not in up.output()
+    finally:
+        up.kill()
 
 
 @pytest.mark.slow
@@ -264,7 +286,8 @@ BAD_ROLE_ARGS = [
     ("--gateway-args=--max-tokens-default -3", "--max-tokens-default: must be 0 or more"),
     ("--decode-args=--port 1", "--port is set by pdserve up for each process; use pdserve up "
                                "--prefill-port/--decode-port"),
-    ("--prefill-args=--po 1", "--port is set by pdserve up"),          # an abbreviation
+    # no abbreviation is a flag: `--po` is not read as `--port`
+    ("--prefill-args=--po 1", "pdserve prefill: unrecognized arguments: --po 1"),
     ("--prefill-args=--redis-url redis://elsewhere", "--redis-url is set by pdserve up"),
     ("--gateway-args=--http-port 1", "--http-port is set by pdserve up"),
     ("--decode-args=--model /other", "--model is set by pdserve up"),
@@ -292,6 +315,33 @@ def test_bad_role_args_stop_up_before_anything_starts(tmp_path):
     assert ("argument --decode-args: pdserve decode: argument --num-speculative-tokens: invalid "
             "int value: 'x'") in proc.stderr
     assert "redis-server" not in proc.stderr
+
+
+def test_up_api_keys_reach_the_gateway_in_its_environment(monkeypatch):
+    """`up --api-key` keys join those already in $PDSERVE_API_KEY, which the gateway (and the
+    probe `up` waits with) reads; no command line holds them."""
+    from gateway.auth import ApiKeys
+
+    monkeypatch.setenv("PDSERVE_API_KEY", "sk-env")
+    args = cli.build_parser().parse_args(["up", "--api-key", "sk-one", "--api-key", "sk-two",
+                                          "--protect-metrics"])
+    commands = child_commands(args, MODEL, REDIS, num_gpus=1)
+    assert not [a for cmd in commands.values() for a in cmd if "sk-" in a]
+    hand_over_api_keys(args)
+    assert os.environ["PDSERVE_API_KEY"] == "sk-env,sk-one,sk-two"
+    gateway = _parsed(commands, "gateway")
+    keys = ApiKeys.from_sources(gateway.api_key, gateway.api_key_file)
+    assert all(keys.accepts(f"Bearer {k}") for k in ("sk-env", "sk-one", "sk-two"))
+    probe = GatewayProbe.for_gateway(commands["gateway"], 8000)
+    assert probe.keyed and probe.headers == {"Authorization": "Bearer sk-env"}
+
+
+def test_up_refuses_an_api_key_the_environment_cannot_carry(monkeypatch):
+    monkeypatch.setenv("PDSERVE_API_KEY", "sk-env")
+    args = cli.build_parser().parse_args(["up", "--api-key", "sk-a,b"])
+    with pytest.raises(SystemExit, match="a key holding ',' cannot be handed to the gateway"):
+        hand_over_api_keys(args)
+    assert os.environ["PDSERVE_API_KEY"] == "sk-env"
 
 
 def test_up_help_describes_every_flag():

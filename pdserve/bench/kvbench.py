@@ -362,7 +362,7 @@ def main(args) -> int:
 def _child(argv: list[str]) -> None:
     import torch
 
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--serve")
     p.add_argument("--serve-tcp", type=int)
     p.add_argument("--serve-cma", action="store_true")
