@@ -114,7 +114,7 @@ class Stack:
             if p.name == "redis":
                 continue
             if p.name == "gateway":
-                pred = lambda p=p: _gateway_sees_workers(p.http)  # noqa: E731
+                pred = lambda p=p: gateway_sees_workers(p.http)  # noqa: E731
             else:
                 pred = lambda p=p: health.grpc_serving(p.address, 1.0)  # noqa: E731
             wait_until(pred, timeout_s, p.name, [(p.popen, p.log)])
@@ -186,7 +186,7 @@ def standard_stack(model_dir, workdir: Path, decode_args: tuple[str, ...] = (),
             s.start_worker("decode", *decode_args, name=name)
         s.start_gateway(*gateway_args)
         s.wait_healthy()
-        wait_until(lambda: _gateway_sees_workers(s.procs[-1].http, len(prefills),
+        wait_until(lambda: gateway_sees_workers(s.procs[-1].http, len(prefills),
                                                  len(decodes)), 60, "every worker at the gateway")
         yield s
     except BaseException:
@@ -202,7 +202,7 @@ def _tcp_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _gateway_sees_workers(base: str, prefills: int = 1, decodes: int = 1) -> bool:
+def gateway_sees_workers(base: str, prefills: int = 1, decodes: int = 1) -> bool:
     """The gateway is up and has discovered this many prefill and decode workers."""
     import httpx
 
