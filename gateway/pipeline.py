@@ -10,12 +10,12 @@ A worker that goes away (or a KV transfer that fails) before the first token rea
 makes the request run again on the workers the router picks then (PipelineConfig.max_attempts).
 A worker that hangs (alive, silent: gateway/liveness.py finds it within
 worker_probe_timeout_s) counts as gone. A decode worker that fails after tokens went out (gone,
-hung, stream broken, stalled for stream_stall_timeout_s) hands the stream on (PipelineConfig.max_migrations): another decode
-worker (and a prefill worker, as for a new request) computes the KV of prompt + the tokens sent
-(DecodeRequest.resume_token_ids) and goes on from there, feeding the same per-choice text state,
-so the client sees one stream; sampling is a function of (seed, output index), so the tokens are
-the ones the failed worker would have made. Requests of n > 1 are not moved (their error ends
-the stream).
+hung, stream broken, stalled for stream_stall_timeout_s) hands the stream on
+(PipelineConfig.max_migrations): another decode worker (and a prefill worker, as for a new
+request) computes the KV of prompt + the tokens sent (DecodeRequest.resume_token_ids) and goes
+on from there, feeding the same per-choice text state, so the client sees one stream; sampling
+is a function of (seed, output index), so the tokens are the ones the failed worker would have
+made. Requests of n > 1 are not moved (their error ends the stream).
 
 A decode worker that gives up on the prompt's KV and computes the prompt itself
 (--kv-load-failure recompute) says so on its stream (LocalCompute): from there the attempt is a

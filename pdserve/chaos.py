@@ -2,8 +2,14 @@
 
     redis (password) + 2 prefill + 2 decode workers + gateway, one deployment token
     steady streaming load: greedy and seeded sampled completions whose answers are known
-    every --kill-interval seconds (jittered): one worker kill -9'd, or Redis stopped; restarted
-    after --restart-delay seconds on the same port (at most one worker per role down at once)
+    every --kill-interval seconds (jittered) one fault, the kinds of --faults in turn:
+      kill   a worker kill -9'd, or Redis stopped; restarted after --restart-delay seconds on
+             the same port
+      hang   a worker stopped (SIGSTOP: alive, sockets open, silent) for --hang-seconds, then
+             resumed (SIGCONT)
+    (at most one worker per role down at once); --recompute makes the decode workers compute a
+    prompt themselves when its KV is late (--kv-load-failure recompute): a hung prefill worker,
+    or one slow under the load, then costs a takeover rather than a retry
 
 The known answers are taken on the same stack before the first kill: greedy and seeded
 sampling are functions of the prompt, the seed and the position only, so every later answer
@@ -11,8 +17,9 @@ must equal them token for token, whichever workers served it and however often i
 moved. At the end the load stops, every process is brought back, and the report says:
 requests sent, completed token-exact, completed but different (must be 0), failed with a clear
 error (per reason), hung (no answer within --hang-timeout; must be 0), streams migrated and
-retried (the gateway's counters), and blocks leaked on every worker (must be 0). Exit status 1
-when any must-be-0 count is not.
+retried, workers found hung and prompts taken over (the gateway's counters), the stall of the
+requests a fault hit (the longest wait for their next token: p50 and max), and blocks leaked on
+every worker (must be 0). Exit status 1 when any must-be-0 count is not.
 """
 
 from __future__ import annotations
@@ -63,6 +70,8 @@ class Part:
     log: Path
     proc: subprocess.Popen | None = None
     kills: int = 0
+    hangs: int = 0
+    stopped: bool = False                    # SIGSTOPped now
 
     def start(self, env: dict) -> None:
         self.proc = subprocess.Popen(self.cmd, stdout=open(self.log, "a"),
@@ -78,7 +87,19 @@ class Part:
             self.proc.wait(10)
         self.kills += 1
 
+    def hang(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGSTOP)
+            self.stopped = True
+        self.hangs += 1
+
+    def resume(self) -> None:
+        if self.stopped and self.alive():
+            self.proc.send_signal(signal.SIGCONT)
+        self.stopped = False
+
     def stop(self) -> None:
+        self.resume()
         if self.alive():
             self.proc.terminate()
             try:
@@ -96,8 +117,12 @@ class Report:
     failed: Counter = field(default_factory=Counter)
     hung: int = 0
     kills: dict = field(default_factory=dict)
+    hangs: dict = field(default_factory=dict)
     migrated: int = 0
     retried: int = 0
+    found_hung: int = 0                            # the gateway's pdserve_workers_hung_total
+    taken_over: int = 0                            # its pdserve_prompts_taken_over_total
+    stalls: list = field(default_factory=list)     # longest wait of each request a fault hit
     leaked: dict = field(default_factory=dict)     # worker -> blocks still referenced
     busy: dict = field(default_factory=dict)       # worker -> requests still running/waiting
     seconds: float = 0.0
@@ -110,17 +135,33 @@ class Report:
         return dict(sent=self.sent, completed_token_exact=self.exact,
                     completed_different=self.different, failed=dict(self.failed),
                     hung=self.hung, migrated=self.migrated, retried=self.retried,
-                    kills=self.kills, blocks_leaked=self.leaked, requests_left=self.busy,
+                    workers_found_hung=self.found_hung, prompts_taken_over=self.taken_over,
+                    stall_seconds=self._stall(), kills=self.kills, hangs=self.hangs,
+                    blocks_leaked=self.leaked, requests_left=self.busy,
                     seconds=round(self.seconds, 1), ok=self.ok())
+
+    def _stall(self) -> dict:
+        """p50 and max of the longest wait for a token of the requests a fault hit."""
+        s = sorted(self.stalls)
+        if not s:
+            return {"requests": 0, "p50": None, "max": None}
+        return {"requests": len(s), "p50": round(s[len(s) // 2], 2), "max": round(s[-1], 2)}
 
     def table(self) -> str:
         rows = [("requests sent", self.sent), ("completed token-exact", self.exact),
                 ("completed but different (must be 0)", self.different),
                 ("failed with a clear error", sum(self.failed.values()))]
         rows += [(f"  {reason}", n) for reason, n in sorted(self.failed.items())]
+        stall = self._stall()
         rows += [("hung (must be 0)", self.hung), ("streams migrated", self.migrated),
-                 ("requests retried before their first token", self.retried)]
+                 ("requests retried before their first token", self.retried),
+                 ("workers found hung by the gateway", self.found_hung),
+                 ("prompts taken over by a decode worker", self.taken_over),
+                 ("requests a fault hit", stall["requests"]),
+                 ("  their longest wait for a token, p50 (s)", stall["p50"]),
+                 ("  their longest wait for a token, max (s)", stall["max"])]
         rows += [(f"kills: {name}", n) for name, n in sorted(self.kills.items())]
+        rows += [(f"hangs: {name}", n) for name, n in sorted(self.hangs.items())]
         rows += [(f"blocks leaked on {w} (must be 0)", n) for w, n in sorted(self.leaked.items())]
         rows += [(f"requests left on {w} (must be 0)", n) for w, n in sorted(self.busy.items())]
         width = max(len(r[0]) for r in rows)
@@ -148,6 +189,8 @@ class Chaos:
         self.lock = threading.Lock()
         self.stop_load = threading.Event()
         self.restarts: list[threading.Timer] = []
+        self.fault_times: list[float] = []            # time.monotonic() of each fault
+        self.requests: list[tuple[float, float, float]] = []   # (start, end, longest wait)
         self._build()
 
     # ------------------------------------------------------------------ the stack
@@ -165,6 +208,8 @@ class Chaos:
                   lambda: self._redis_up())
         cli = [sys.executable, "-m", "pdserve.cli"]
         common = ["--model", str(self.model), "--log-level", "WARNING"]
+        recompute = (["--kv-load-failure", "recompute", "--kv-transfer-timeout",
+                      f"{self.args.recompute:g}"] if self.args.recompute else [])
         for role in ("prefill", "decode"):
             for i in range(2):
                 wport = _free_port()
@@ -172,7 +217,8 @@ class Chaos:
                 self._add(f"{role}-{i}", cli + [
                     role, *common, "--port", str(wport), "--metrics-port", "0",
                     "--worker-id", f"{role}-{i}", "--redis-url", self.redis_url,
-                    "--threads", "1", "--kv-cache-gib", str(self.args.kv_cache_gib)],
+                    "--threads", "1", "--kv-cache-gib", str(self.args.kv_cache_gib),
+                    *(recompute if role == "decode" else [])],
                     address, lambda a=address: health.grpc_serving(a, 1.0))
         http = _free_port()
         self.base = f"http://127.0.0.1:{http}"
@@ -235,11 +281,23 @@ class Chaos:
         return out
 
     def ask(self, spec: dict) -> tuple[str, str | None]:
-        """(text, None) on success, else ("", reason); "hung" when no answer came in time."""
+        """(text, None) on success, else ("", reason); "hung" when no answer came in time.
+        Each request's start, end and longest wait for a token go to `requests`."""
+        start = time.monotonic()
+        waits = [0.0]
+        try:
+            return self._ask(spec, waits)
+        finally:
+            end = time.monotonic()
+            with self.lock:
+                self.requests.append((start, end, max(waits)))
+
+    def _ask(self, spec: dict, waits: list[float]) -> tuple[str, str | None]:
         import httpx
 
         body = dict(spec, stream=True, ignore_eos=True)
         text = []
+        last = time.monotonic()
         try:
             with httpx.stream("POST", self.base + "/v1/completions", json=body,
                               timeout=httpx.Timeout(self.args.hang_timeout)) as r:
@@ -256,6 +314,9 @@ class Chaos:
                     event = json.loads(line[6:])
                     if "error" in event:
                         return "", f"stream error: {event['error'].get('code')}"
+                    now = time.monotonic()
+                    waits.append(now - last)
+                    last = now
                     text.append(event["choices"][0].get("text", ""))
         except httpx.TimeoutException:
             return "", "hung"
@@ -312,16 +373,29 @@ class Chaos:
         while not self.stop_load.wait(self.args.kill_interval * self.rng.uniform(0.5, 1.5)):
             if time.monotonic() >= until:
                 return
-            victims = self._victims()
+            kind = self.args.faults[len(self.fault_times) % len(self.args.faults)]
+            # Redis is only ever killed: a hang is a worker's
+            victims = [v for v in self._victims() if kind == "kill" or v != "redis"]
             if not victims:
                 continue
             name = self.rng.choice(victims)
             part = self.parts[name]
-            print(f"  {time.strftime('%H:%M:%S')} kill -9 {name}", flush=True)
-            part.kill()
-            timer = threading.Timer(self.args.restart_delay, self._restart, (part,))
+            self.fault_times.append(time.monotonic())
+            if kind == "hang":
+                print(f"  {time.strftime('%H:%M:%S')} SIGSTOP {name} for "
+                      f"{self.args.hang_seconds:g} s", flush=True)
+                part.hang()
+                timer = threading.Timer(self.args.hang_seconds, self._resume, (part,))
+            else:
+                print(f"  {time.strftime('%H:%M:%S')} kill -9 {name}", flush=True)
+                part.kill()
+                timer = threading.Timer(self.args.restart_delay, self._restart, (part,))
             self.restarts.append(timer)
             timer.start()
+
+    def _resume(self, part: Part) -> None:
+        print(f"  {time.strftime('%H:%M:%S')} SIGCONT {part.name}", flush=True)
+        part.resume()
 
     def _restart(self, part: Part) -> None:
         print(f"  {time.strftime('%H:%M:%S')} restart {part.name}", flush=True)
@@ -331,6 +405,7 @@ class Chaos:
     def settle(self) -> None:
         """Every part running and healthy again, the gateway seeing all four workers."""
         for part in self.parts.values():
+            part.resume()
             if not part.alive():
                 part.start(self.env)
         for part in self.parts.values():
@@ -378,6 +453,13 @@ class Chaos:
                            if line.startswith(name + " ") or line.startswith(name + "{")))
         self.report.migrated = total("pdserve_stream_migrations_total")
         self.report.retried = total("pdserve_request_retries_total")
+        self.report.found_hung = total("pdserve_workers_hung_total")
+        self.report.taken_over = total("pdserve_prompts_taken_over_total")
+
+    def stalls(self) -> None:
+        """The longest wait for a token of each request in flight when a fault came."""
+        self.report.stalls = [wait for start, end, wait in self.requests
+                              if any(start <= t <= end for t in self.fault_times)]
 
     def run(self) -> Report:
         t0 = time.monotonic()
@@ -405,7 +487,9 @@ class Chaos:
         self.settle()
         self.leaks()
         self.counters()
+        self.stalls()
         self.report.kills = {n: p.kills for n, p in self.parts.items() if p.kills}
+        self.report.hangs = {n: p.hangs for n, p in self.parts.items() if p.hangs}
         self.report.seconds = time.monotonic() - t0
         return self.report
 
@@ -416,10 +500,11 @@ def register(sub) -> None:
         formatter_class=DefaultsFormatter,
         description="Start Redis, 2 prefill and 2 decode workers and the gateway; run a steady "
                     "streaming load of greedy and seeded completions with known answers while "
-                    "workers are killed (-9) and restarted and Redis is stopped and restarted; "
-                    "then report requests completed token-exact, failed (per reason), hung, "
-                    "migrated, and KV blocks leaked on every worker. Exit 1 if any answer "
-                    "differs, any request hung or any block leaked.")
+                    "workers are killed (-9) and restarted, stopped (SIGSTOP) and resumed, and "
+                    "Redis is stopped and restarted; then report requests completed "
+                    "token-exact, failed (per reason), hung, migrated, the stall of the "
+                    "requests a fault hit, and KV blocks leaked on every worker. Exit 1 if any "
+                    "answer differs, any request hung or any block leaked.")
     p.add_argument("--model", default=None,
                    help=f"model folder (default: {default_model_dir()})")
     p.add_argument("--duration", type=float, default=180.0, help="seconds of load and faults")
@@ -430,6 +515,15 @@ def register(sub) -> None:
                    help="mean seconds between faults (each one jittered 0.5x-1.5x)")
     p.add_argument("--restart-delay", type=float, default=3.0,
                    help="seconds a killed process stays down")
+    p.add_argument("--faults", type=_fault_kinds, default="kill,hang",
+                   help="the kinds of fault, comma-separated, taken in turn: kill (kill -9, "
+                        "then a restart), hang (SIGSTOP, then SIGCONT)")
+    p.add_argument("--hang-seconds", type=float, default=15.0,
+                   help="how long a hung worker stays stopped")
+    p.add_argument("--recompute", type=float, default=0.0, metavar="SECONDS",
+                   help="decode workers compute a prompt themselves when its KV has not arrived "
+                        "within SECONDS (--kv-load-failure recompute; 0: they fail it, the "
+                        "default)")
     p.add_argument("--no-redis-chaos", dest="redis_chaos", action="store_false",
                    help="never stop Redis")
     p.add_argument("--hang-timeout", type=float, default=90.0,
@@ -440,6 +534,15 @@ def register(sub) -> None:
                                                    "(default: a fresh temporary one)")
     p.add_argument("--out", default=None, help="JSON file for the report")
     p.set_defaults(target="pdserve.chaos:main")
+
+
+def _fault_kinds(text: str) -> tuple[str, ...]:
+    import argparse
+
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    if not kinds or any(k not in ("kill", "hang") for k in kinds):
+        raise argparse.ArgumentTypeError(f"faults are kill and/or hang, got {text!r}")
+    return kinds
 
 
 def main(args) -> int:
