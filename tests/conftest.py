@@ -1,5 +1,6 @@
 """Shared fixtures: real Redis servers on free ports, the default model folder, a tiny
-random-weight model folder; `make_engine`, the engines of the unit tests."""
+random-weight model folder; `make_engine`, the engines of the unit tests; `unavailable` and
+`needs_tool`, what a test does without something the host lacks (skip; under CI, fail)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,27 @@ import shutil
 import socket
 import subprocess
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
+
+
+def unavailable(message: str) -> NoReturn:
+    """A test cannot run here (`message` says what is missing): skipped on a developer's host,
+    failed under CI (CI=true: .ci/run installs every tool and `make test` fetches the model
+    first, so there a missing one is a broken CI machine, never a quiet skip)."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{message} (CI: the tests must not skip for it)", pytrace=False)
+    pytest.skip(message)
+
+
+def needs_tool(name: str, hint: str = "") -> str:
+    """The path of the program `name` on PATH; `unavailable` (with `hint`) when it is not
+    installed."""
+    exe = shutil.which(name)
+    if exe is None:
+        unavailable(f"{name} is not installed" + (f" ({hint})" if hint else ""))
+    return exe
 
 
 def free_port() -> int:
@@ -29,9 +49,7 @@ class RedisServer:
     """A private redis-server process (no persistence) on a free port."""
 
     def __init__(self, workdir: Path) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            pytest.skip("redis-server is not installed (apt-get install redis-server)")
+        exe = needs_tool("redis-server", "apt-get install redis-server")
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._argv = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
@@ -106,10 +124,7 @@ def model_dir() -> Path:
 
     path = default_model_dir()
     if not (path / ".pdserve-complete").is_file():
-        message = f"the default model is not at {path}: run `pdserve model fetch`"
-        if os.environ.get("CI"):
-            pytest.fail(message)          # CI fetches it first (make test): never skip there
-        pytest.skip(message)
+        unavailable(f"the default model is not at {path}: run `pdserve model fetch`")
     return path
 
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import functools
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.conftest import needs_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker-compose.yml"
@@ -85,9 +86,7 @@ def gpu_worker_command(role: str, advertise: str, gpu: int) -> list[str]:
 def _config(*files: Path, tracing: tuple[tuple[str, str], ...] = ()) -> dict:
     """The normalized config, with the host's tracing variables unset but for `tracing`."""
     env = {k: v for k, v in os.environ.items() if k not in TRACING_VARS} | dict(tracing)
-    exe = shutil.which("docker-compose")
-    if exe is None:
-        pytest.skip("docker-compose is not installed (apt-get install docker-compose)")
+    exe = needs_tool("docker-compose", "apt-get install docker-compose")
     args = [exe]
     for f in files:
         args += ["-f", str(f)]

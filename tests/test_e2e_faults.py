@@ -20,6 +20,10 @@ pytestmark = pytest.mark.slow
 
 NEW = 8
 WORKERS = ("prefill-a", "prefill-b", "decode-a", "decode-b")
+# The stalled-transfer tests here are about the decode worker's own timeout (10 s): the gateway's
+# probe would find the stopped prefill worker hung first (5 s) and run the request elsewhere
+# (tests/test_e2e_hang.py; a takeover before the probe: tests/test_e2e_takeover.py).
+NO_PROBE = ("--worker-probe-timeout", "0")
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +31,8 @@ def stack(model_dir, tmp_path_factory):
     decode = ("--kv-transfer-timeout", "10", "--kv-load-failure", "recompute")
     prefill = ("--kv-transfer-timeout", "5", "--max-num-batched-tokens", "256")
     with standard_stack(model_dir, tmp_path_factory.mktemp("faults"), decode_args=decode,
-                        prefill_args=prefill, prefills=WORKERS[:2], decodes=WORKERS[2:]) as s:
+                        prefill_args=prefill, prefills=WORKERS[:2], decodes=WORKERS[2:],
+                        gateway_args=NO_PROBE) as s:
         yield s
 
 
@@ -130,14 +135,24 @@ def test_a_killed_decode_worker_frees_the_prefill_side_and_is_replaced(stack, hf
     assert time.monotonic() - t0 < 60                 # a lease, not a 480-second wait
 
 
+def generated(stack) -> float:
+    """Tokens the live workers' engines have sampled so far (their pdserve_generated_tokens)."""
+    return sum(metric(stack.proc(n).metrics, "pdserve_generated_tokens_total")
+               for n in WORKERS if stack.proc(n).alive())
+
+
 def test_a_client_that_goes_away_frees_both_sides(stack, hf):  # noqa: F811
     ids = long_prompt(hf[0], "deserts")
+    before = generated(stack)
     with pytest.raises(httpx.ReadTimeout):            # gives up mid-prefill, closing the socket
         httpx.post(f"{stack.procs[-1].http}/v1/completions",
                    timeout=httpx.Timeout(30, read=1.0), json={
                        "model": "SmolLM2-135M-Instruct", "prompt": ids, "max_tokens": 900,
                        "ignore_eos": True, "temperature": 0})
     all_free(stack)
+    # freed because the request was aborted, not because it ran to its max_tokens (a fast host
+    # generates them all within all_free's wait)
+    assert generated(stack) - before < 900
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +161,7 @@ def nixl_stack(model_dir, tmp_path_factory):
     decode = ("--kv-transfer-timeout", "10", "--kv-load-failure", "recompute", *nixl)
     prefill = ("--kv-transfer-timeout", "5", "--max-num-batched-tokens", "256", *nixl)
     with standard_stack(model_dir, tmp_path_factory.mktemp("faults-nixl"), decode_args=decode,
-                        prefill_args=prefill) as s:
+                        prefill_args=prefill, gateway_args=NO_PROBE) as s:
         yield s
 
 

@@ -5,7 +5,6 @@ open unless --protect-metrics; plain HTTP to the TLS port does not get an answer
 
 from __future__ import annotations
 
-import shutil
 import ssl
 import subprocess
 
@@ -15,6 +14,7 @@ import pytest
 
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+from tests.conftest import needs_tool
 from tests.stack import Stack, wait_until
 
 pytestmark = pytest.mark.slow
@@ -28,8 +28,7 @@ def _openssl(*args: str, cwd) -> None:
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed")
+    needs_tool("openssl")
     d = tmp_path_factory.mktemp("certs")
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
              "/CN=pdserve test CA", "-keyout", "ca.key", "-out", "ca.pem", cwd=d)

@@ -16,7 +16,7 @@ import redis
 from cluster.registry import KEY_PREFIX
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from tests.stack import standard_stack, wait_idle, wait_until
+from tests.stack import metric, standard_stack, wait_idle, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -55,13 +55,25 @@ def _wait_registered(stack, addresses: set[str], timeout_s: float = 120) -> None
                [(gateway.popen, gateway.log)])
 
 
+def generated(*workers) -> float:
+    """Tokens the workers' engines have sampled so far (their pdserve_generated_tokens)."""
+    return sum(metric(p.metrics, "pdserve_generated_tokens_total") for p in workers)
+
+
 def test_non_streaming_client_gone_aborts_on_workers(stack):
+    workers = stack.proc("prefill"), stack.proc("decode")
+    before = generated(*workers)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(stack.proc("gateway").http + "/v1/completions", json=LONG, timeout=3)
-    wait_idle(stack.proc("prefill"), stack.proc("decode"))
+    wait_idle(*workers)
+    # idle because the request was aborted, not because it ran to its max_tokens (a fast host
+    # generates them all within wait_idle's wait)
+    assert generated(*workers) - before < LONG["max_tokens"]
 
 
 def test_grpc_cancel_aborts_on_workers(stack):
+    workers = stack.proc("prefill"), stack.proc("decode")
+    before = generated(*workers)
     with grpc.insecure_channel(stack.proc("gateway").address) as ch:
         stream = pb_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
             text=LONG["prompt"], params=pb.SamplingParams(max_tokens=2000, ignore_eos=True)))
@@ -69,7 +81,9 @@ def test_grpc_cancel_aborts_on_workers(stack):
             if i == 3:
                 stream.cancel()
                 break
-    wait_idle(stack.proc("prefill"), stack.proc("decode"))
+    wait_idle(*workers)
+    # the four responses read were generated; the rest of the 2000 tokens never were
+    assert 4 <= generated(*workers) - before < 2000
 
 
 def test_stop_string_streaming_matches_non_streaming(stack):

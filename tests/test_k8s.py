@@ -22,6 +22,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.conftest import needs_tool
+
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ["cpu", "gpu", "tp", "keda", "inference-pool"]
@@ -34,9 +36,8 @@ FLAGS_DIR = "/etc/pdserve/flags"
 
 
 def render(path: Path) -> list[dict]:
-    if shutil.which("kubectl") is None:
-        pytest.skip("kubectl is not installed: it renders the overlays (kubectl kustomize)")
-    out = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True,
+    kubectl = needs_tool("kubectl", "it renders the overlays: kubectl kustomize")
+    out = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
     return [d for d in yaml.safe_load_all(out.stdout) if d]

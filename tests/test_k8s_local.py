@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.conftest import needs_tool
 from tests.stack import free_port
 from tests.test_k8s import deployment, flags_configmap, objects
 from tests.waiting import wait_until
@@ -70,8 +70,7 @@ def _env(container: dict, mapping: Mapping, name: str) -> dict:
 
 
 def test_the_cpu_overlay_runs_as_local_processes_and_answers_a_chat(tmp_path, model_dir):
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
+    redis_server = needs_tool("redis-server")
     m = Mapping(tmp_path, Path(model_dir))
     for d in m.paths.values():
         d.mkdir(parents=True, exist_ok=True)
@@ -90,7 +89,7 @@ def test_the_cpu_overlay_runs_as_local_processes_and_answers_a_chat(tmp_path, mo
             env = _env(c, m, f"pdserve-{role}")
             if role == "redis":
                 # redis-server listens on its default port: mapped like the Service's
-                cmd = [shutil.which("redis-server"), *[m.text(a) for a in c["args"][1:]],
+                cmd = [redis_server, *[m.text(a) for a in c["args"][1:]],
                        "--port", str(m.port(6379)), "--bind", "127.0.0.1"]
             else:
                 assert c["image"].split(":")[0] == "pdserve"        # ENTRYPOINT ["pdserve"]

@@ -261,7 +261,28 @@ def test_a_cpu_senders_read_of_held_blocks_does_not_wait_for_the_step_running(mo
     async def body():
         aengine = AsyncEngine(engine)
         aengine.start()
-        busy = threading.Event()
+        busy, held = threading.Event(), threading.Event()
+        order: list[str] = []
+        engine_thread = []
+
+        def step():                                     # the engine thread is busy (a step)
+            engine_thread[:] = [threading.current_thread()]
+            held.set()
+            busy.wait(60)
+            order.append("step")
+
+        def record(what: str):
+            """A command's body: notes it ran; -> the thread it ran on."""
+            order.append(what)
+            return threading.current_thread()
+
+        async def hold() -> None:
+            busy.clear()
+            held.clear()
+            order.clear()
+            aengine.run_nowait(step)
+            await wait_until_async(held.is_set, 30, "the engine thread to start its step")
+
         try:
             q = await aengine.add(Request("p", list(range(1, 11)), params))
             blocks = []
@@ -271,15 +292,15 @@ def test_a_cpu_senders_read_of_held_blocks_does_not_wait_for_the_step_running(mo
                 if out.finished:
                     break
             assert blocks and engine.connector.references()["saving"] == len(blocks)
-            aengine.run_nowait(busy.wait, 60)           # the engine thread is busy (a step)
+            await hold()
             read = await asyncio.wait_for(
                 aengine.read_blocks(lambda: engine.kv[:, :, blocks].clone()), 10)
-            queued = aengine.run(lambda: "ran")
-            await asyncio.sleep(0.2)
-            waited = not queued.done()
+            assert order == []                          # read while the step still runs
+            queued = aengine.run(record, "run")
             busy.set()
-            assert await asyncio.wait_for(queued, 10) == "ran"
-            assert waited and torch.equal(read, engine.kv[:, :, blocks])
+            # `run` waited: it ran on the engine thread (so after the step it was busy with)
+            assert await asyncio.wait_for(queued, 10) is engine_thread[0]
+            assert order == ["step", "run"] and torch.equal(read, engine.kv[:, :, blocks])
             aengine.save_done("p")
             await wait_until_async(lambda: engine.pool.num_free == engine.pool.num_blocks, 5,
                                    "every block free")
@@ -287,13 +308,11 @@ def test_a_cpu_senders_read_of_held_blocks_does_not_wait_for_the_step_running(mo
             # every rank runs: they stay on the engine thread, behind what it is doing.
             plain = engine.runner.pool
             engine.runner.pool = ShardedKV(engine.runner, engine.model_cfg.num_kv_heads)
-            busy.clear()
-            aengine.run_nowait(busy.wait, 60)
-            read = asyncio.ensure_future(aengine.read_blocks(lambda: "read"))
-            await asyncio.sleep(0.2)
-            waited = not read.done()
+            await hold()
+            read = asyncio.ensure_future(aengine.read_blocks(record, "read"))
             busy.set()
-            assert await asyncio.wait_for(read, 10) == "read" and waited
+            assert await asyncio.wait_for(read, 10) is engine_thread[0]
+            assert order == ["step", "read"]
             engine.runner.pool = plain
             return engine.connector.references()
         finally:

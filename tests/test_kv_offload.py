@@ -432,24 +432,31 @@ def test_a_worker_killed_mid_store_leaves_a_consistent_disk_tier(tmp_path):
     import signal
     import subprocess
     import sys
-    import time
     from pathlib import Path
 
+    from tests.waiting import wait_until
+
     root = Path(__file__).resolve().parent.parent
-    proc = subprocess.Popen([sys.executable, "-c", _STORE_FOREVER, str(tmp_path)], cwd=root)
+    tier, log = tmp_path / "tier", tmp_path / "store.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", _STORE_FOREVER, str(tier)], cwd=root,
+                                stdout=out, stderr=subprocess.STDOUT)
+
+    def newest() -> int:
+        """The highest block hash with a file (the process stores hashes 1, 2, 3...)."""
+        return max((int(f.stem, 16) for f in tier.rglob("*.kvb")), default=0)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and len(list(tmp_path.rglob("*.kvb"))) < 64:
-            time.sleep(0.05)
-        time.sleep(0.2)                       # it is replacing its oldest files now
+        # the tier holds 64 blocks: a 65th means it is replacing its oldest files now
+        wait_until(lambda: newest() > 64, 60, lambda: f"block 65 stored (newest {newest()})",
+                   [(proc, log)], interval_s=0.05)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
     kv = torch.zeros(2, 2, 64, 4, 1, 3)
-    again = KVOffload(OffloadSettings(0, str(tmp_path), 64, 1, {"model": "m"}), lambda: kv,
+    again = KVOffload(OffloadSettings(0, str(tier), 64, 1, {"model": "m"}), lambda: kv,
                       SHAPE, torch.float32, torch.device("cpu"))
     found = list(again.disk.index)
-    assert len(found) >= 32 and not list(tmp_path.rglob("*.tmp"))
+    assert len(found) >= 32 and not list(tier.rglob("*.tmp"))
     assert again.disk.stats.ignored_files == 0
     run_ = [(h, again.disk, again.disk.index[h]) for h in found]
     assert again.restore(run_, list(range(len(found)))) == len(found)   # every one intact

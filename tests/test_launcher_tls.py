@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import http.server
 import json
-import shutil
 import signal
 import ssl
 import subprocess
@@ -22,6 +21,7 @@ import pytest
 
 from pdserve import cli
 from pdserve.launcher import GatewayProbe, child_commands
+from tests.conftest import needs_tool
 from tests.stack import free_port
 from tests.up_process import (START_TIMEOUT_S, Up, assert_all_gone, listening, sessions_left,
                               stream_chat)
@@ -44,8 +44,7 @@ def _signed(d: Path, name: str, subject: str, extensions: str) -> None:
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> Path:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed")
+    needs_tool("openssl")
     d = tmp_path_factory.mktemp("certs")
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
              "/CN=pdserve test CA", "-keyout", "ca.key", "-out", "ca.pem", cwd=d)

@@ -200,11 +200,22 @@ def test_no_package_of_ours_shares_its_name_with_an_installed_distribution():
 
 
 def test_transformers_layers_import_from_the_checkout():
-    code = ("import pdkernels, transformers.activations, transformers.models.llama.modeling_llama; "
-            "import transformers.utils.import_utils as iu, sys; "
-            "k = sys.modules.get('kernels'); "
-            "assert k is None or 'pdkernels' not in (k.__file__ or ''), k")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    """Run from the checkout (its root first on sys.path, as under pytest and `python -m`),
+    transformers' layers import installed modules only: none that they bring in is a file of
+    the checkout outside the environment (they imported a `kernels/` of ours as PyPI's
+    `kernels`)."""
+    code = ("import os, sys, pathlib, pdkernels; "
+            "root, env = pathlib.Path.cwd().resolve(), pathlib.Path(sys.prefix).resolve(); "
+            "before = set(sys.modules); "
+            "import transformers.activations, transformers.models.llama.modeling_llama; "
+            "new = {m: getattr(sys.modules[m], '__file__', None) or '' "
+            "for m in set(sys.modules) - before}; "
+            "dirs = {m: pathlib.Path(f).resolve().parents for m, f in new.items() "
+            "if os.path.isabs(f)}; "
+            "ours = sorted(m for m, d in dirs.items() if root in d and env not in d); "
+            "assert not ours, f'transformers imported modules of the checkout: {ours}'")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
 
 
 def test_top_level_layout():

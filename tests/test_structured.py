@@ -144,7 +144,13 @@ def walk(compiler, tok, eos, spec, seed, max_steps=400) -> str:
 # --- specs and compilation ------------------------------------------------------------------
 
 def test_spec_validation():
-    assert KINDS == ("json_object", "json_schema", "regex", "choice", "grammar")
+    from gateway.params import STRUCTURED_KINDS
+
+    # the kinds a client may ask the gateway for are those the engine builds, each of them
+    assert KINDS == STRUCTURED_KINDS
+    values = {"json_object": "", "json_schema": json.dumps(SCHEMA), "regex": "a+",
+              "choice": '["a", "b"]', "grammar": 'root ::= "a"'}
+    assert [StructuredSpec(k, values[k]).kind for k in STRUCTURED_KINDS] == list(KINDS)
     with pytest.raises(ValueError, match="json_object, json_schema, regex, choice, grammar"):
         StructuredSpec("xml", "<a/>")
     with pytest.raises(ValueError, match="takes no value"):
