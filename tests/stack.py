@@ -98,11 +98,13 @@ class Stack:
         p.metrics = f"http://127.0.0.1:{metrics_port}/metrics"
         return p
 
-    def start_gateway(self, *extra: str, env_key: str | None = None) -> Proc:
-        """`env_key`: an API key handed over in $PDSERVE_API_KEY."""
+    def start_gateway(self, *extra: str, env_key: str | None = None,
+                      name: str = "gateway") -> Proc:
+        """`env_key`: an API key handed over in $PDSERVE_API_KEY; `name`: another for a second
+        gateway (its log is NAME.log)."""
         http, grpc_port = free_port(), free_port()
         env = {"PDSERVE_API_KEY": env_key} if env_key else {}
-        p = self._spawn("gateway", [sys.executable, "-m", "pdserve.cli", "gateway", "--model",
+        p = self._spawn(name, [sys.executable, "-m", "pdserve.cli", "gateway", "--model",
                                     self.model, "--http-port", str(http), "--grpc-port",
                                     str(grpc_port), "--redis-url", self.redis_url, *extra],
                         f"127.0.0.1:{grpc_port}", **env)

@@ -97,14 +97,18 @@ def test_streams_on_a_hung_decode_worker_move_within_seconds(stack, hf):  # noqa
     # resumed: it lets go of the streams it lost, and is routed to again once it answers
     wait_idle(*[stack.proc(n) for n in WORKERS])
     before = metric(victim.metrics, "pdserve_generated_tokens_total")
+    sent = []
 
     def served_again() -> bool:
+        # prompts no worker holds: ties of load go round-robin, not to a cached prefix
+        sent.append(len(sent))
         r = httpx.post(f"{_gateway(stack)}/v1/completions", timeout=60, json={
-            "model": "SmolLM2-135M-Instruct", "prompt": prompts[0], "max_tokens": 4,
-            "temperature": 0})
+            "model": "SmolLM2-135M-Instruct", "prompt": f"{len(sent)} plus {len(sent)} is",
+            "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200, r.text
         return metric(victim.metrics, "pdserve_generated_tokens_total") > before
-    wait_until(served_again, 60, "the resumed decode worker serving again")
+    wait_until(served_again, 60, lambda: f"the resumed decode worker serving again "
+                                         f"({len(sent)} requests sent)")
     wait_idle(*[stack.proc(n) for n in WORKERS])
 
 
@@ -135,7 +139,7 @@ def test_a_prompt_on_a_hung_prefill_worker_runs_on_the_other_one(stack, hf):  # 
 def test_a_busy_worker_keeps_its_request(stack, hf):  # noqa: F811
     """A second gateway probes with a 1-second timeout while a prefill worker computes a long
     prompt for longer than that: silent, but answering, so nothing moves."""
-    gw2 = stack.start_gateway("--worker-probe-timeout", "1")
+    gw2 = stack.start_gateway("--worker-probe-timeout", "1", name="gateway-2")
     try:
         wait_until(lambda: gateway_sees_workers(gw2.http, 2, 2), 60,
                    "every worker at the second gateway", [(gw2.popen, gw2.log)])

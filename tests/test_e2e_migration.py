@@ -35,7 +35,11 @@ SAMPLED = dict(temperature=0.8, top_p=0.95, top_k=40, seed=1234, frequency_penal
 
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory):
-    gateway = ("--max-migrations", "1", "--stream-stall-timeout", str(STALL_S))
+    # the probe off: a stopped worker here stands for one whose stream stalls while it still
+    # answers (a wedged engine thread), which only the stall timeout catches (a stopped one is
+    # found hung first at the defaults: tests/test_e2e_hang.py)
+    gateway = ("--max-migrations", "1", "--stream-stall-timeout", str(STALL_S),
+               "--worker-probe-timeout", "0")
     with standard_stack(model_dir, tmp_path_factory.mktemp("migration"), gateway_args=gateway,
                         decodes=("decode-a", "decode-b")) as s:
         yield s
