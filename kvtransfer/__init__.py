@@ -2,7 +2,7 @@
 
 One interface split by role: a `KVSender` on prefill workers, a `KVReceiver` on decode workers.
 Transports register by name (`register_transport`) and are created lazily from a flag
-(`--kv-transport`): `grpc` (a client stream into the decode worker's PushKV RPC), `nixl`
+(`--kv-transport`): `grpc` (a stream into the decode worker's PushKV RPC), `nixl`
 (one-sided WRITEs into the decode worker's registered pool), `torch` (torch.distributed send/recv
 on a two-rank group per worker pair: gloo on CPUs, NCCL on GPUs). See kvtransfer.base for the
 contract, kvtransfer.integrity for the block checksums and the rules every receiver holds what it

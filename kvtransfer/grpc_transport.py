@@ -1,4 +1,5 @@
-"""The portable KV transport: a gRPC client stream of KVChunk messages into DecodeWorker.PushKV.
+"""The portable KV transport: a gRPC stream of KVChunk messages into DecodeWorker.PushKV; the
+receiver answers on the same stream (a refusal, said before the call ends, or the count).
 
 Each message carries up to `blocks_per_message` blocks of every layer, so memory stays bounded
 for long prompts; messages go out as the prefill worker's chunks finish, and the last one carries
@@ -207,7 +208,7 @@ class GrpcKVSender(KVSender):
         if ch is None:
             ch = self._channels[address] = self.auth.channel(address, CHANNEL_OPTIONS)
         return ch.stream_stream(PUSH_KV, request_serializer=None,
-                               response_deserializer=pb.PushKVReply.FromString)
+                                response_deserializer=pb.PushKVReply.FromString)
 
     def staging(self, device: torch.device) -> HostStaging:
         """The staging of pools on `device` (one per device, reused by every stream)."""
