@@ -5,6 +5,7 @@ random-weight model folder; `make_engine`, the engines of the unit tests; `unava
 from __future__ import annotations
 
 import os
+import random
 
 # Triton kernels run under the interpreter, on CPU tensors, unless the tests target a GPU
 # (PDSERVE_TEST_DEVICE=cuda...); set before anything imports triton.
@@ -38,9 +39,37 @@ def needs_tool(name: str, hint: str = "") -> str:
     return exe
 
 
+_GIVEN: set[int] = set()         # the ports free_port handed out in this session
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel gives outgoing connections (Linux's default: 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket() as s:
+    """A TCP port that was free a moment ago on 127.0.0.1, below the kernel's ephemeral range,
+    never the same one twice in a session. Every outgoing connection on the host takes its port
+    from that range, so a port from bind(0) could be taken before the server meant for it bound
+    it (a worker's metrics server then failed with EADDRINUSE); one below it stays free for its
+    server unless another server binds it on purpose."""
+    low = _ephemeral_low()
+    if low > 21000:
+        for _ in range(1000):
+            port = random.randrange(20000, low)
+            if port in _GIVEN:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _GIVEN.add(port)
+            return port
+    with socket.socket() as s:          # a host whose ephemeral range starts low
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
