@@ -40,6 +40,7 @@ def needs_tool(name: str, hint: str = "") -> str:
 
 
 _GIVEN: set[int] = set()         # the ports free_port handed out in this session
+_PORTS = random.Random()         # its own: the global one is Hypothesis's to seed and watch
 
 
 def _ephemeral_low() -> int:
@@ -59,7 +60,7 @@ def free_port() -> int:
     low = _ephemeral_low()
     if low > 21000:
         for _ in range(1000):
-            port = random.randrange(20000, low)
+            port = _PORTS.randrange(20000, low)
             if port in _GIVEN:
                 continue
             with socket.socket() as s:
