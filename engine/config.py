@@ -50,12 +50,35 @@ def parse_speculative(spec: str) -> tuple[str, str | None]:
     raise ValueError(f"speculative must be 'off', 'ngram' or 'draft:PATH', got {spec!r}")
 
 
-# HF architecture name -> our model family (see engine/models).
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts feed-forward (engine.layers.moe): the router and the experts."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int            # each expert's
+    layers: tuple[int, ...]           # the decoder layers that are MoE; the rest are dense MLPs
+    scoring: str = "softmax"          # "softmax" | "sigmoid" (DeepSeek-style)
+    norm_topk_prob: bool = False      # renormalize the k chosen weights to sum to 1
+    correction_bias: bool = False     # e_score_correction_bias: added for the choice only
+    n_group: int = 1                  # group-limited top-k: experts in n_group groups, the
+    topk_group: int = 1               # best topk_group groups (by their top-2 sum) eligible
+    routed_scaling_factor: float = 1.0
+    shared_intermediate_size: int = 0   # shared experts (one MLP) run for every token
+    shared_gate: bool = False         # sigmoid(x @ shared_expert_gate) scales them (Qwen2-MoE)
+
+    def __post_init__(self) -> None:
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"MoE scoring must be softmax or sigmoid, got {self.scoring!r}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.top_k}) must be in [1, "
+                             f"num_experts ({self.num_experts})]")
+        if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"n_group ({self.n_group}) must divide the {self.num_experts} "
+                             f"experts and topk_group ({self.topk_group}) be in [1, n_group]")
+        if self.n_group > 1 and self.top_k > self.topk_group * self.num_experts // self.n_group:
+            raise ValueError(f"top-{self.top_k} of {self.topk_group} groups of "
+                             f"{self.num_experts // self.n_group} experts is impossible")
 
 
 @dataclass(frozen=True)
@@ -78,6 +101,11 @@ class ModelConfig:
     qk_norm: bool = False
     rope_scaling: tuple = ()          # sorted (key, value) pairs of HF's rope scaling dict
     eos_token_ids: tuple[int, ...] = ()
+    qk_norm_across_heads: bool = False  # q/k RMSNorm over all heads at once (OLMoE, MiniMax-M2)
+    o_proj_bias: bool = False
+    clip_qkv: float = 0.0             # > 0: q, k, v clamped to [-clip, clip] (OLMoE)
+    rotary_dim: int = 0               # partial rotary: the first rotary_dim of each head; 0: all
+    moe: MoEConfig | None = None      # the MoE layers; None: a dense model
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -85,47 +113,64 @@ class ModelConfig:
                              f"num_key_value_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rotary_dim % 2 or not 0 <= self.rotary_dim <= self.head_dim:
+            raise ValueError(f"rotary dims must be even and at most head_dim ({self.head_dim}), "
+                             f"got {self.rotary_dim}")
+
+    @property
+    def rope_dim(self) -> int:
+        """Dims of each head that rotary embeddings rotate."""
+        return self.rotary_dim or self.head_dim
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.moe is not None and i in self.moe.layers
 
     @classmethod
     def from_hf(cls, hf: dict, generation: dict | None = None) -> "ModelConfig":
-        archs = hf.get("architectures") or []
-        family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
-        if family is None:
-            raise ValueError(f"unsupported architectures {archs}; supported: "
-                             f"{sorted(ARCHITECTURES)}")
+        """The fields every family shares, then the family's own (its `config` function in
+        engine.models, the registry from HF `architectures`)."""
+        from engine.models import family_for
+
+        family = family_for(hf.get("architectures") or [])
+        act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported ({family.name} with silu is)")
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         theta = hf.get("rope_theta", rope.pop("rope_theta", 10000.0))
         rope.pop("rope_theta", None)
+        partial = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "llama3"):
             raise ValueError(f"rope type {rope_type!r} is not supported (default, llama3)")
         rope_scaling = () if rope_type == "default" else tuple(sorted(
             (k, v) for k, v in rope.items() if k != "type"))
         heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         eos = []
         for src in (generation or {}, hf):
             ids = src.get("eos_token_id")
             for i in ([ids] if isinstance(ids, int) else ids or []):
                 if i not in eos:
                     eos.append(int(i))
-        return cls(
-            family=family,
+        common = dict(
+            family=family.name,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
+            intermediate_size=hf.get("intermediate_size") or 0,
             num_layers=hf["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", family == "qwen2")),
-            qk_norm=family == "qwen3",
+            attention_bias=bool(hf.get("attention_bias", False)),
             rope_scaling=rope_scaling,
             eos_token_ids=tuple(eos),
+            rotary_dim=0 if partial == 1.0 else int(head_dim * partial),
         )
+        return cls(**dict(common, **family.config(hf)))
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -141,6 +186,7 @@ class ModelConfig:
 # for decodes and short queries (engine.attention.torch_backend.use_cpu_kernel).
 LINEAR_METHODS = ("auto", "avx2", "avx512", "amx", "onednn", "torch")
 CPU_ATTENTION = ("auto", "avx2", "sdpa")
+MOE_BACKENDS = ("auto", "reference", "grouped", "triton")   # engine.layers.moe
 
 
 @dataclass(frozen=True)
@@ -174,6 +220,8 @@ class EngineConfig:
     max_request_kv_share: float = 1.0    # most of the KV pool one request (all choices) may need
     quantization: str = "none"           # QUANTIZATION_CHOICES; none: the checkpoint's own
     tensor_parallel_size: int = 1        # ranks the model is split over (engine.parallel)
+    expert_parallel: bool = False        # MoE experts split whole over those ranks
+    moe_backend: str = "auto"            # engine.layers.moe.MOE_BACKENDS
     kv_offload_gib: float = 0.0          # host-memory tier below the pool (engine.kv_offload)
     kv_offload_dir: str = ""             # local-disk tier's folder (with kv_offload_disk_gib)
     kv_offload_disk_gib: float = 0.0
@@ -204,6 +252,9 @@ class EngineConfig:
                              f"got {self.quantization!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.moe_backend not in MOE_BACKENDS:
+            raise ValueError(f"moe_backend must be one of {', '.join(MOE_BACKENDS)}, got "
+                             f"{self.moe_backend!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError("attention_backend must be 'auto', 'torch' or 'triton', got "
                              f"{self.attention_backend!r}")
@@ -285,4 +336,4 @@ def blocks_for_gib(model: ModelConfig, engine: EngineConfig, gib: float) -> int:
     return n
 
 
-__all__ = ["DTYPES", "LINEAR_METHODS", "CPU_ATTENTION", "resolve_compute_dtype", "parse_speculative", "ModelConfig", "EngineConfig", "kv_bytes_per_block", "blocks_for_gib"]
+__all__ = ["MoEConfig", "DTYPES", "LINEAR_METHODS", "CPU_ATTENTION", "resolve_compute_dtype", "parse_speculative", "ModelConfig", "EngineConfig", "kv_bytes_per_block", "blocks_for_gib"]

@@ -80,7 +80,7 @@ class ModelRunner:
                  model: torch.nn.Module | None = None, random_weights: bool = False,
                  tp: TPGroup = SINGLE) -> None:
         self.cfg, self.model_cfg = cfg, model_cfg
-        check_split(model_cfg, tp.size)
+        check_split(model_cfg, tp.size, cfg.expert_parallel)
         self.tp = tp
         self.device = torch.device(cfg.device)
         self.bind_thread()
@@ -92,11 +92,19 @@ class ModelRunner:
                                       self.device, self.sizes, cfg.cpu_attention)
         quant = quant_formats.resolve(cfg.quantization, None if random_weights else model_dir)
         self.quant_scheme = quant if isinstance(quant, QuantScheme) else None
+        if model_cfg.moe is not None and self.quant_scheme is not None:
+            raise ValueError(f"{self.quant_scheme.name} checkpoints of MoE models "
+                             f"({model_cfg.family}) are not supported yet: serve the "
+                             "full-precision checkpoint (--quantization int8 quantizes its "
+                             "experts at load)")
+        if cfg.expert_parallel and model_cfg.moe is None:
+            raise ValueError(f"--expert-parallel needs an MoE model; {model_cfg.family} is dense")
         method = cfg.linear_method
         opts = LayerOptions(self.backend,
                             linear_method_for(self.device, self.dtype, quant, method), tp,
                             head=linear_method_for(self.device, self.dtype, "none", method)
-                            if self.quant_scheme else None)
+                            if self.quant_scheme else None,
+                            expert_parallel=cfg.expert_parallel, moe_backend=cfg.moe_backend)
         self.local_cfg, m_full = m, model_cfg
         if model is not None:
             self.model = model

@@ -77,6 +77,15 @@ class TPGroup:
             dist.all_gather(parts, t)
         return torch.cat(parts, dim=dim)
 
+    def all_to_all(self, out: torch.Tensor, t: torch.Tensor, out_splits: list[int] | None = None,
+                   in_splits: list[int] | None = None) -> torch.Tensor:
+        """Rows of `t` split by `in_splits` (even: None) go to ranks 0..N-1; `out` receives
+        each rank's rows for this one, `out_splits` from each (expert parallelism)."""
+        if self.size == 1:
+            return out.copy_(t)
+        dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits)
+        return out
+
     def broadcast(self, t: torch.Tensor) -> torch.Tensor:
         """Rank 0's `t` on every rank (in place)."""
         if self.size > 1:
@@ -102,34 +111,44 @@ def head_range(num_heads: int, size: int, rank: int) -> tuple[int, int]:
     return rank * num_heads // size, 1
 
 
-def check_split(cfg, size: int) -> None:
+def _split_problems(cfg, n: int, expert_parallel: bool = False) -> list[str]:
+    """What in `cfg` cannot be split `n` ways (empty: it can)."""
+    h, kvh, moe = cfg.num_heads, cfg.num_kv_heads, getattr(cfg, "moe", None)
+    bad = []
+    if h % n:
+        bad.append(f"{h} attention heads")
+    if (kvh >= n and kvh % n) or (kvh < n and n % kvh):
+        bad.append(f"{kvh} KV heads (split evenly, or replicated when fewer than ranks)")
+    dense = moe is None or len(moe.layers) < cfg.num_layers
+    if dense and cfg.intermediate_size % n:
+        bad.append(f"intermediate size {cfg.intermediate_size}")
+    if moe is not None:
+        if expert_parallel and moe.num_experts < n:
+            bad.append(f"{moe.num_experts} experts (expert parallel: one or more per rank)")
+        if not expert_parallel and moe.intermediate_size % n:
+            bad.append(f"expert intermediate size {moe.intermediate_size} (or use "
+                       "--expert-parallel)")
+        if not expert_parallel and moe.shared_intermediate_size % n:
+            bad.append(f"shared expert intermediate size {moe.shared_intermediate_size}")
+    return bad
+
+
+def check_split(cfg, size: int, expert_parallel: bool = False) -> None:
     """ValueError naming what cannot be split `size` ways."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
     if size == 1:
         return
-    h, kvh = cfg.num_heads, cfg.num_kv_heads
-    bad = []
-    if h % size:
-        bad.append(f"{h} attention heads")
-    if (kvh >= size and kvh % size) or (kvh < size and size % kvh):
-        bad.append(f"{kvh} KV heads (split evenly, or replicated when fewer than ranks)")
-    if cfg.intermediate_size % size:
-        bad.append(f"intermediate size {cfg.intermediate_size}")
+    bad = _split_problems(cfg, size, expert_parallel)
     if bad:
         raise ValueError(f"tensor parallel size {size} does not divide the model's "
                          f"{', '.join(bad)}; pick a size that does (this model: "
-                         f"{', '.join(str(n) for n in _even_sizes(cfg))})")
+                         f"{', '.join(str(n) for n in _even_sizes(cfg, expert_parallel))})")
 
 
-def _even_sizes(cfg) -> list[int]:
-    ok = []
-    for n in range(1, cfg.num_heads + 1):
-        kvh = cfg.num_kv_heads
-        if (cfg.num_heads % n == 0 and cfg.intermediate_size % n == 0
-                and ((kvh >= n and kvh % n == 0) or (kvh < n and n % kvh == 0))):
-            ok.append(n)
-    return ok
+def _even_sizes(cfg, expert_parallel: bool = False) -> list[int]:
+    return [n for n in range(1, cfg.num_heads + 1)
+            if not _split_problems(cfg, n, expert_parallel)]
 
 
 def local_config(cfg, tp: TPGroup):

@@ -95,7 +95,7 @@ def build_runner(model_dir, model_cfg: ModelConfig, cfg: EngineConfig,
     given), else rank 0's, with ranks 1..N-1 started (start_runner)."""
     if cfg.tensor_parallel_size == 1:
         return ModelRunner(model_dir, model_cfg, cfg, model, random_weights), None
-    check_split(model_cfg, cfg.tensor_parallel_size)
+    check_split(model_cfg, cfg.tensor_parallel_size, cfg.expert_parallel)
     if model is not None:
         raise ValueError("a model object cannot be split over tensor-parallel ranks: give "
                          "its folder")
@@ -106,7 +106,7 @@ def start_runner(model_dir, model_cfg: ModelConfig, cfg: EngineConfig,
                  random_weights: bool = False) -> tuple[ModelRunner, Ranks]:
     """Rank 0's runner of a tensor-parallel engine, once ranks 1..N-1 are started and joined."""
     n = cfg.tensor_parallel_size
-    check_split(model_cfg, n)
+    check_split(model_cfg, n, cfg.expert_parallel)
     ranks, port = Ranks.start(model_dir, model_cfg, cfg, torch.get_num_threads(), random_weights)
     try:
         tp = init_group(0, n, port, rank_device(cfg.device, 0), peers=ranks.procs)

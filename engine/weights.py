@@ -52,15 +52,6 @@ class CheckpointTensor:
         return self._done(self._st.get_tensor(self._name))
 
 
-def _target(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
-    """Checkpoint tensor name -> (our parameter name, shard index or None)."""
-    parts = name.split(".")
-    if len(parts) >= 2 and parts[-2] in packed:
-        module, shard = packed[parts[-2]]
-        return ".".join(parts[:-2] + [module, parts[-1]]), shard
-    return name, None
-
-
 def build_empty(cfg: ModelConfig, opts: LayerOptions, dtype: torch.dtype,
                 device: str | torch.device) -> nn.Module:
     """The model with uninitialized parameters of `dtype` on `device` (built on meta first)."""
@@ -95,7 +86,7 @@ def finish(model: nn.Module) -> nn.Module:
     model.tie_weights()
     before = weight_bytes(model)
     methods = sorted({m.method.name for m in model.modules() if hasattr(m, "method")})
-    for m in model.modules():
+    for m in list(model.modules()):          # (an MoE layer's backend adds modules)
         if hasattr(m, "process_weights_after_loading"):
             m.process_weights_after_loading()
     log.info("weights: %.1f MiB as loaded, %.1f MiB prepared (linear layers: %s)",
@@ -126,13 +117,13 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
     `scheme` (a pre-quantized checkpoint's), each quantized projection's tensors are converted
     to the layers' int8 weight and scales first (engine.layers.quant_formats). A tied lm_head
     may be absent from the checkpoint; a checkpoint tensor with no parameter is an error, except
-    rotary caches some exporters add."""
+    the ones the model's `checkpoint_target` names unused (rotary caches some exporters add,
+    next-token-prediction layers)."""
     d = Path(model_dir)
     files = sorted(d.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {d}")
     model = build_empty(cfg, opts, dtype, device)
-    packed = getattr(type(model), "PACKED", {})
     params = dict(model.named_parameters())
     tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     filled: dict[str, set[int | None]] = {}
@@ -141,11 +132,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
         for f in files:
             st = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
             where.update((name, (st, f.name)) for name in st.keys())
-        names = [n for n in where if not n.endswith("rotary_emb.inv_freq")]
+        names = [n for n in where if model.checkpoint_target(n)[0] is not None]
         tensors = (canonical_tensors(scheme, names, lambda n: where[n][0].get_tensor(n))
                    if scheme is not None else ((n, None) for n in names))
         for name, tensor in tensors:
-            target, shard = _target(name, packed)
+            target, shard = model.checkpoint_target(name)
             if target in tied:
                 continue
             st, fname = where.get(name, (None, "checkpoint"))
@@ -169,8 +160,12 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
                 raise ValueError(f"{target}: {exc}") from None
             filled.setdefault(target, set()).add(shard)
     for name, shards in filled.items():
-        module = model.get_submodule(name.rpartition(".")[0])
-        want = len(getattr(module, "output_sizes", [None])) if None not in shards else 1
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if hasattr(module, "expected_shards"):
+            want = module.expected_shards(attr, shards)
+        else:
+            want = len(getattr(module, "output_sizes", [None])) if None not in shards else 1
         if len(shards) != want:
             raise ValueError(f"{name}: {len(shards)} of {want} shards in the checkpoint "
                              "(missing shards?)")

@@ -19,6 +19,8 @@ class LayerOptions:
     linear: LinearMethod
     tp: TPGroup = SINGLE            # this rank's tensor-parallel group (engine.parallel)
     head: LinearMethod | None = None   # lm_head's, when not `linear` (pre-quantized: dense)
+    expert_parallel: bool = False   # MoE experts split whole over the ranks (engine.layers.moe)
+    moe_backend: str = "auto"       # engine.layers.moe.MOE_BACKENDS
 
     @property
     def head_linear(self) -> LinearMethod:

@@ -466,12 +466,15 @@ class ColumnParallelLinear(Linear):
 
 class RowParallelLinear(Linear):
     """Input features split over the ranks, the partial products summed by an all-reduce. The
-    bias is rank 0's alone (the others hold zeros), so it is added once."""
+    bias is rank 0's alone (the others hold zeros), so it is added once. `reduce` False: the
+    caller sums the partial products (an MoE layer adds its shared experts' before its one
+    all-reduce)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 method: LinearMethod | None = None, tp: TPGroup = SINGLE) -> None:
+                 method: LinearMethod | None = None, tp: TPGroup = SINGLE,
+                 reduce: bool = True) -> None:
         super().__init__(_even(in_features, tp, "input size"), out_features, bias, method)
-        self.tp, self.full_in = tp, in_features
+        self.tp, self.full_in, self.reduce = tp, in_features, reduce
 
     def weight_loader(self, param: nn.Parameter, loaded, shard: int | None = None) -> None:
         if shard is not None:
@@ -491,7 +494,8 @@ class RowParallelLinear(Linear):
         param.data.copy_(loaded.narrow(1, self.tp.rank * width, width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.method.apply(self, x))
+        y = self.method.apply(self, x)
+        return self.tp.all_reduce(y) if self.reduce else y
 
 
 def packed_copy(weight: torch.Tensor, method: LinearMethod, bias: torch.Tensor | None = None

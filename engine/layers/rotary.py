@@ -1,5 +1,8 @@
 """Rotary position embeddings (rotate-half layout), with Llama 3 frequency scaling.
 
+Partial rotary (ModelConfig.rotary_dim): angle 0 (cos 1, sin 0) for the dims that do not
+rotate; engine.layers.decoder orders each head's dims so that this is the model's arithmetic.
+
 `RotaryEmbedding(positions, dtype)` computes cos and sin once per forward pass, shared by every
 layer; the attention backend applies them (the triton one inside its KV-store kernel).
 """
@@ -15,8 +18,8 @@ from engine.config import ModelConfig
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """[head_dim / 2] inverse frequencies, with Llama 3 scaling when the config asks for it."""
-    d = cfg.head_dim
+    """[rope_dim / 2] inverse frequencies, with Llama 3 scaling when the config asks for it."""
+    d = cfg.rope_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
     scaling = dict(cfg.rope_scaling)
     if scaling.get("rope_type") == "llama3":
@@ -56,6 +59,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, 1, D] in `dtype`, laid out as cat(freqs, freqs)."""
-        freqs = positions[:, None].float() * self.inv_freq.float()       # [T, D/2]
+        freqs = positions[:, None].float() * self.inv_freq.float()       # [T, R/2]
+        if self.cfg.rope_dim != self.cfg.head_dim:   # partial: the pass-through dims get 0
+            freqs = torch.nn.functional.pad(freqs, (0, (self.cfg.head_dim - self.cfg.rope_dim) // 2))
         emb = torch.cat((freqs, freqs), dim=-1)                          # [T, D]
         return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
