@@ -40,7 +40,7 @@ FAMILIES = {
 def make_moe(path: Path, family: str, fused: bool = False, **overrides):
     """HF's model of `family` with random weights saved to `path` (fused: the 3-D expert
     tensors transformers 5 holds, instead of save_pretrained's per-expert ones)."""
-    spec = dict(BASE, **FAMILIES[family], **overrides)
+    spec = {**BASE, **FAMILIES[family], **overrides}
     cfg = AutoConfig.for_model(family, **spec)
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()

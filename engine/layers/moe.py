@@ -238,7 +238,7 @@ class GroupedMoE(MoEMethod):
                 out[sel] = experts.expert_down[e](F.silu(gate) * up)
                 start += n
         w = weights.to(x.dtype).view(t, k, 1)
-        return (out.view(t, k, -1) * w).sum(1)
+        return (out.view(t, k, x.shape[1]) * w).sum(1)
 
 
 class TritonMoE(MoEMethod):
@@ -356,7 +356,7 @@ class MoE(nn.Module):
         tp.all_to_all(back, y.contiguous(), send, recv)
         slots = torch.empty_like(back)
         slots[order] = back
-        out = (slots.view(hi - lo, k, -1) * ws.to(x.dtype)[..., None]).sum(1)
+        out = (slots.view(hi - lo, k, x.shape[1]) * ws.to(x.dtype)[..., None]).sum(1)
         shared = self._shared(xs)
         if shared is not None:
             out = out + shared
