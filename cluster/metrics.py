@@ -79,6 +79,24 @@ class _OffloadCollector:
                 yield family
 
 
+class _ExpertCollector:
+    """Tokens routed to each expert of each MoE layer (engine.layers.moe counts them), read
+    when scraped: what an expert load balancer needs."""
+
+    def __init__(self, labels: dict[str, str], read: Callable[[], dict[int, list[int]]]) -> None:
+        self.labels, self.read = labels, read
+
+    def collect(self):
+        family = CounterMetricFamily(
+            "pdserve_moe_expert_tokens", "Token rows each expert of each MoE layer computed "
+            "(top-k: k per token; on GPUs with decode graphs padding rows included)",
+            labels=[*self.labels, "layer", "expert"])
+        for layer, counts in self.read().items():
+            for expert, n in enumerate(counts):
+                family.add_metric([*self.labels.values(), str(layer), str(expert)], n)
+        yield family
+
+
 class WorkerMetrics:
     """Engine metrics of one worker. `load` returns (running, waiting, free_blocks);
     `prefix` returns (query tokens, hit tokens, cached blocks, evictions) of the prefix cache."""
@@ -89,17 +107,21 @@ class WorkerMetrics:
                  spec: str | None = None,
                  transfer_refs: Callable[[], dict[str, int]] | None = None,
                  offload: Callable[[], dict[str, dict]] | None = None,
-                 threads: Callable[[], int] | None = None) -> None:
+                 threads: Callable[[], int] | None = None,
+                 experts: Callable[[], dict[int, list[int]]] | None = None) -> None:
         """transfer_refs: the KV connector's references (engine.kv_connector.references);
         offload: the KV offload tiers' counters by tier (engine.kv_offload.KVOffload.stats);
         threads: a CPU worker's thread count for the step that just ran (called on the engine
-        thread: torch.get_num_threads, which engine.core_share may change between steps)."""
+        thread: torch.get_num_threads, which engine.core_share may change between steps);
+        experts: an MoE model's routing counts, {layer: [tokens per expert]}."""
         self.registry = CollectorRegistry()
         labels = {"role": role, "worker": worker_id}
         self._labels = labels
         r = self.registry
         if offload is not None:
             r.register(_OffloadCollector(labels, offload))
+        if experts is not None:
+            r.register(_ExpertCollector(labels, experts))
         if prefix is not None:
             r.register(_ReadCounters(labels, lambda: {
                 "pdserve_prefix_cache_queries_tokens": (

@@ -15,6 +15,7 @@ QUANTIZATION_CHOICES = ["none", "int8", "gptq", "awq", "compressed-tensors", "w4
 # engine.config.LINEAR_METHODS and CPU_ATTENTION, likewise
 LINEAR_METHODS = ["auto", "avx2", "avx512", "amx", "onednn", "torch"]
 CPU_ATTENTION = ["auto", "avx2", "sdpa"]
+MOE_BACKENDS = ["auto", "reference", "grouped", "triton"]       # engine.config.MOE_BACKENDS
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -32,7 +33,7 @@ ROLE_DESCRIPTIONS = {
 
 def add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="local HF-format model folder (Llama, Qwen2, Qwen3 families); "
+                   help="local HF-format model folder (the families of docs/models.md); "
                         f"default: the fetched SmolLM2-135M-Instruct ({default_model_dir()})")
     p.add_argument("--served-model-name", default=None,
                    help="name clients use in the 'model' field (default: the folder name)")
@@ -168,6 +169,17 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                         "--threads each. The attention heads (and KV heads: replicated when "
                         "fewer than N) and MLP columns split; prefill and decode workers may "
                         "use different sizes")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="MoE models: split the experts whole over the --tensor-parallel-size "
+                        "ranks (each holds about E/N experts and reads only theirs; tokens "
+                        "reach their experts' ranks by all-to-all) instead of splitting every "
+                        "expert's columns; attention stays tensor-parallel")
+    p.add_argument("--moe-backend", default="auto", choices=MOE_BACKENDS,
+                   help="how MoE experts compute: reference (a loop over the experts, the "
+                        "arithmetic of HF), grouped (tokens grouped by expert through the "
+                        "linear layers' own kernels, int8 experts too), triton (the fused-MoE "
+                        "kernel, CUDA); auto: triton on CUDA for float weights, grouped "
+                        "elsewhere")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: run decode-only steps eagerly too")
     p.add_argument("--max-num-batched-tokens", type=int, default=0,

@@ -85,6 +85,7 @@ def build_engine(args, role: str):
                        max_request_kv_share=getattr(args, "max_request_kv_share", 1.0),
                        quantization=args.quantization,
                        tensor_parallel_size=args.tensor_parallel_size,
+                       expert_parallel=args.expert_parallel, moe_backend=args.moe_backend,
                        kv_offload_gib=args.kv_offload_gib, kv_offload_dir=args.kv_offload_dir,
                        kv_offload_disk_gib=args.kv_offload_disk_gib,
                        kv_offload_min_seen=args.kv_offload_min_seen,
@@ -110,7 +111,30 @@ def build_engine(args, role: str):
              cfg.max_num_seqs, torch.get_num_threads(),
              f" per rank, tensor parallel {cfg.tensor_parallel_size}"
              if cfg.tensor_parallel_size > 1 else "")
+    if model_cfg.moe is not None:
+        log.info("%s", moe_shape(model_cfg, cfg, engine.model))
     return engine, model_dir
+
+
+def moe_shape(model_cfg, cfg, model) -> str:
+    """The start line's MoE part: experts, top-k, the MoE layers, how ranks split them, the
+    backend."""
+    from engine.layers.moe import Experts
+
+    moe = model_cfg.moe
+    experts = next(m for m in model.modules() if isinstance(m, Experts))
+    if cfg.tensor_parallel_size == 1:
+        split = "one rank"
+    elif experts.ep:
+        split = (f"expert parallel {cfg.tensor_parallel_size}: {experts.local} experts on "
+                 "rank 0")
+    else:
+        split = f"tensor parallel {cfg.tensor_parallel_size}: each expert's columns split"
+    shared = (f", shared experts {moe.shared_intermediate_size} wide"
+              if moe.shared_intermediate_size else "")
+    return (f"MoE: {moe.num_experts} experts, top-{moe.top_k} ({moe.scoring} router), "
+            f"{len(moe.layers)} of {model_cfg.num_layers} layers, expert width "
+            f"{moe.intermediate_size}{shared}; {split}; backend {experts.method.name}")
 
 
 @dataclass(frozen=True)
@@ -306,7 +330,17 @@ def _worker_metrics(role: str, ident: WorkerIdentity, engine, load: Callable):
                          transfer_refs=engine.connector.references,
                          offload=engine.offload.stats if engine.offload is not None else None,
                          threads=torch.get_num_threads if engine.cfg.device.startswith("cpu")
-                         else None)
+                         else None,
+                         experts=expert_counts(engine.model)
+                         if engine.model_cfg.moe is not None else None)
+
+
+def expert_counts(model) -> Callable[[], dict[int, list[int]]]:
+    """{layer: tokens per expert} of the MoE layers (rank 0 routes every token, so under
+    tensor or expert parallelism its counts are the whole worker's)."""
+    layers = {i: layer.mlp for i, layer in enumerate(model.model.layers)
+              if hasattr(layer.mlp, "counts")}
+    return lambda: {i: mlp.counts.tolist() for i, mlp in layers.items()}
 
 
 async def _until_signal(loop: asyncio.AbstractEventLoop) -> asyncio.Event:

@@ -214,3 +214,16 @@ def test_the_mutual_tls_command_the_launcher_test_runs_is_the_documented_one():
                "--ssl-client-keyfile client.key")
     lines = [line for lang, body in fences(text) if lang == "sh" for line in shell_lines(body)]
     assert command in [" ".join(line.split()) for line in lines]
+
+
+def test_supported_models_table_is_the_registry():
+    """docs/models.md is what `python -m engine.models` prints, and every registered family
+    has an HF parity test (a family in the table is a family tested)."""
+    from engine.models import families, table
+    from tests.moe_models import FAMILIES as MOE
+    from tests.test_model_parity import FAMILIES as DENSE
+
+    assert (ROOT / "docs" / "models.md").read_text() == table(), \
+        "regenerate: python -m engine.models > docs/models.md"
+    tested = set(MOE) | {spec["model_type"] for spec in DENSE.values()}
+    assert {f.name for f in families()} <= tested

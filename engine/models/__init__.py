@@ -28,9 +28,13 @@ class Family:
     model: type                          # the nn.Module (engine.layers.decoder.DecoderLM)
     config: Callable[[dict], dict] = field(default=lambda hf: {})
     examples: str = ""                   # checkpoints people run
+    attention: str = "GQA"               # the table's words for its attention
+    feed_forward: str = "dense SwiGLU"   # and its feed-forward
     moe: bool = False
+    tensor_parallel: bool = True         # --tensor-parallel-size > 1
+    speculative: tuple[str, ...] = ("ngram", "draft")
+    transports: tuple[str, ...] = ("grpc", "nixl", "torch")   # KV from prefill to decode
     quantization: tuple[str, ...] = DENSE_QUANT   # --quantization / pre-quantized formats
-    notes: str = ""
 
 
 def _load() -> dict[str, Family]:
@@ -78,3 +82,37 @@ def family_named(name: str) -> Family:
 
 def model_class(family: str):
     return family_named(family).model
+
+
+TABLE_HEADER = """# Supported models
+
+Generated from the model registry (`engine/models/`) by `python -m engine.models > docs/models.md`;
+a test keeps it equal to the registry. A family is served by the HF `architectures` listed; a
+checkpoint of another architecture is refused at start, naming these. Each family is tested on
+tiny random models against HF transformers (fp32 logits of every position through chunked
+prefill and the paged cache, greedy tokens of a batch: tests/test_model_parity.py,
+tests/test_moe_models.py). What the engine does around the model (tensor parallelism with
+`--tensor-parallel-size`, prefill and decode pools of different sizes, KV transfer over grpc,
+nixl or torch, the prefix cache, n-gram and draft-model speculation, structured outputs, beam
+search, prompt logprobs) does not depend on the family; what does is in the table. Expert
+parallelism (`--expert-parallel`) splits the experts whole over the tensor-parallel ranks
+(tests/test_expert_parallel.py). nixl moves the KV of one-process workers (no tensor
+parallelism) only.
+
+| family | HF architectures | examples | attention | feed-forward | TP | EP | quantization | speculation | PD transfer |
+|---|---|---|---|---|---|---|---|---|---|
+"""
+
+
+def table() -> str:
+    rows = []
+    for fam in families():
+        quant = ", ".join(f"`{q}`" for q in fam.quantization)
+        if fam.moe:
+            quant += " (experts too); pre-quantized MoE checkpoints refused at start"
+        rows.append(f"| {fam.name} | {', '.join(f'`{a}`' for a in fam.architectures)} | "
+                    f"{fam.examples} | {fam.attention} | {fam.feed_forward} | "
+                    f"{'yes' if fam.tensor_parallel else '-'} | {'yes' if fam.moe else '-'} | "
+                    f"{quant} | {', '.join(fam.speculative) or '-'} | "
+                    f"{', '.join(fam.transports)} |")
+    return TABLE_HEADER + "\n".join(rows) + "\n"

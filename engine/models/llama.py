@@ -19,7 +19,7 @@ FAMILIES = [
            examples="Llama 3.x, SmolLM2, TinyLlama"),
     Family("qwen2", ("Qwen2ForCausalLM",), LlamaForCausalLM,
            lambda hf: dict(attention_bias=bool(hf.get("attention_bias", True))),
-           examples="Qwen2.5"),
+           examples="Qwen2.5", attention="GQA, q/k/v bias"),
     Family("qwen3", ("Qwen3ForCausalLM",), LlamaForCausalLM, lambda hf: dict(qk_norm=True),
-           examples="Qwen3 dense"),
+           examples="Qwen3 dense", attention="GQA, q/k RMSNorm per head"),
 ]

@@ -29,4 +29,5 @@ class MixtralForCausalLM(DecoderLM):
 
 
 FAMILIES = [Family("mixtral", ("MixtralForCausalLM",), MixtralForCausalLM, config,
-                   examples="Mixtral 8x7B, 8x22B", moe=True, quantization=MOE_QUANT)]
+                   examples="Mixtral 8x7B, 8x22B", moe=True,
+                   feed_forward="MoE: softmax top-k, renormalized", quantization=MOE_QUANT)]

@@ -25,4 +25,6 @@ class OlmoeForCausalLM(DecoderLM):
 
 
 FAMILIES = [Family("olmoe", ("OlmoeForCausalLM",), OlmoeForCausalLM, config,
-                   examples="OLMoE-1B-7B", moe=True, quantization=MOE_QUANT)]
+                   examples="OLMoE-1B-7B", moe=True,
+                   attention="GQA, q/k RMSNorm across heads, `clip_qkv`, q/k/v/o bias",
+                   feed_forward="MoE: softmax top-k (`norm_topk_prob`)", quantization=MOE_QUANT)]

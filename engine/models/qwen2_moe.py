@@ -40,4 +40,8 @@ class Qwen2MoeForCausalLM(DecoderLM):
 
 FAMILIES = [Family("qwen2_moe", ("Qwen2MoeForCausalLM",), Qwen2MoeForCausalLM, config,
                    examples="Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B", moe=True,
+                   attention="GQA, q/k/v bias",
+                   feed_forward="MoE: softmax top-k (`norm_topk_prob`), a shared expert with a "
+                                "sigmoid gate; dense layers by `decoder_sparse_step`, "
+                                "`mlp_only_layers`",
                    quantization=MOE_QUANT)]

@@ -26,4 +26,7 @@ class Qwen3MoeForCausalLM(DecoderLM):
 
 FAMILIES = [Family("qwen3_moe", ("Qwen3MoeForCausalLM",), Qwen3MoeForCausalLM, config,
                    examples="Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder-30B-A3B", moe=True,
+                   attention="GQA, q/k RMSNorm per head",
+                   feed_forward="MoE: softmax top-k (`norm_topk_prob`); dense layers by "
+                                "`decoder_sparse_step`, `mlp_only_layers`",
                    quantization=MOE_QUANT)]
