@@ -24,7 +24,7 @@ import torch
 
 from pdkernels import triton_activation, triton_attention, triton_kv_store, triton_norm
 from pdkernels.triton_attention import MAX_SPLITS
-from pdkernels import triton_quant_linear
+from pdkernels import triton_moe, triton_quant_linear
 
 NUM_SMS = 132          # H100 / H200: the split-KV and split-K counts the runtime picks there
 MAX_SEQS = 256         # decode batch sizes whose split counts are compiled; staged rows
@@ -49,6 +49,20 @@ LLAMA_8B = ModelShape("8B", 4096, 32, 8, 128, 14336, group=128)
 
 
 @dataclass(frozen=True)
+class MoeShape:
+    """A sparse MoE layer: each token goes to `topk` of `experts` MLPs of `intermediate`."""
+
+    name: str
+    hidden: int
+    intermediate: int   # per expert (moe_intermediate_size)
+    experts: int
+    topk: int
+
+
+QWEN3_30B_A3B = MoeShape("30B-A3B", 2048, 768, experts=128, topk=8)
+
+
+@dataclass(frozen=True)
 class Matrix:
     """The launch space compiled: shapes x dtypes x the runtime sizes that change a launch."""
 
@@ -58,6 +72,7 @@ class Matrix:
     rows: tuple[int, ...]             # tokens of a step (M); Triton specializes 1 and x % 16
     query_lens: tuple[int, ...]       # longest query of a step: 1 decode, <= 33 verification
     schemes: tuple[str, ...]          # quantized weights, names of SCHEMES
+    moe: tuple[MoeShape, ...] = (QWEN3_30B_A3B,)   # MoE layers, compiled at every step size
 
 
 FULL = Matrix((SMOLLM2_135M, LLAMA_8B), (torch.bfloat16, torch.float16, torch.float32),
@@ -209,6 +224,34 @@ def quant_linear(shape: ModelShape, dtype, matrix: Matrix) -> Iterator[tuple[str
                        partial(_quant, m, n, k, bias, bits, group, zp, dtype))
 
 
+# ---------------------------------------------------------------------------------------------
+# Mixture of experts (the MoE layer's fused_moe on CUDA)
+
+
+def _moe(moe: MoeShape, tokens: int, dtype, ids_dtype=torch.int32) -> None:
+    """One fused_moe call: the router's top-k ids spread over the experts (moe_align reads them
+    on the host here, so they are real ids), the other tensors empty."""
+    ids = (torch.arange(tokens * moe.topk) % moe.experts).view(tokens, moe.topk).to(ids_dtype)
+    triton_moe.fused_moe(torch.empty(tokens, moe.hidden, dtype=dtype),
+                         torch.empty(moe.experts, 2 * moe.intermediate, moe.hidden, dtype=dtype),
+                         torch.empty(moe.experts, moe.hidden, moe.intermediate, dtype=dtype),
+                         torch.empty(tokens, moe.topk, dtype=torch.float32),
+                         ids, num_sms=NUM_SMS)
+
+
+def fused_moe(shape: ModelShape, dtype, matrix: Matrix) -> Iterator[tuple[str, Call]]:
+    """The matrix's MoE layers (not the dense models': they are compiled once, with its first
+    dense shape) at every step size: decode-sized blocks and the prefill tiles; int32 ids, and
+    int64 (torch.topk's) once."""
+    if shape != matrix.shapes[0]:
+        return
+    for moe in matrix.moe:
+        name = f"{moe.name} {moe.experts}x top-{moe.topk} {moe.hidden}->{moe.intermediate}"
+        for t in matrix.rows:
+            yield f"{name} T={t}", partial(_moe, moe, t, dtype)
+        yield f"{name} T=1 int64 ids", partial(_moe, moe, 1, dtype, torch.int64)
+
+
 # name -> cases; the table lists entries in this order.
 ENTRIES: dict[str, Callable[[ModelShape, torch.dtype, Matrix], Iterator[tuple[str, Call]]]] = {
     "paged_attention": attention,
@@ -216,4 +259,5 @@ ENTRIES: dict[str, Callable[[ModelShape, torch.dtype, Matrix], Iterator[tuple[st
     "rms_norm": rms_norm,
     "silu_and_mul": silu_and_mul,
     "quant_linear": quant_linear,
+    "fused_moe": fused_moe,
 }

@@ -3,9 +3,9 @@
 Needs only torch, triton, transformers, numpy and pytest (no Redis, no web stack, no model
 files: random weights, no network). Prints one summary table:
 
-  kernels      every Triton kernel test on the device (tests/test_triton_kernels.py and
-               tests/test_triton_quant_linear.py: fp32, fp16, bf16) and the engine through the
-               triton backend (tests/test_triton_engine.py)
+  kernels      every Triton kernel test on the device (tests/test_triton_kernels.py,
+               tests/test_triton_quant_linear.py and tests/test_triton_moe.py: fp32, fp16, bf16)
+               and the engine through the triton backend (tests/test_triton_engine.py)
   parity       our engine (triton backend, CUDA graphs) against HF transformers on random-weight
                tiny Llama, Qwen2 and Qwen3: logits of every prompt position and greedy tokens,
                fp32 (equal) and bf16 (close)
@@ -21,6 +21,11 @@ files: random weights, no network). Prints one summary table:
   int4         the same with 4-bit weights in groups of 128 (the layers of GPTQ / AWQ /
                compressed-tensors W4A16 checkpoints), which every linear layer must hold packed
                two per byte (half of int8's bytes)
+  moe          the fused MoE kernel (pdkernels.triton_moe) at Qwen3-30B-A3B's MoE layer (2048 ->
+               768, 128 experts, top-8) in bf16 at T = 1, 16 and 256: output against its torch
+               reference, time per call in a CUDA graph and eager, bandwidth and FLOP/s against
+               the roofline (weight bytes of the experts hit / copy bandwidth, or FLOPs / matmul
+               peak)
   tp           with two GPUs or more: a tiny model split over two ranks (NCCL) against one,
                logits and greedy tokens (skipped with one GPU)
   sampler      the batched sampler with logits processing (logit_bias, min_tokens, penalties,
@@ -37,7 +42,7 @@ files: random weights, no network). Prints one summary table:
                another stream, every checksum compared (pdserve.gpucheck_offload)
 
 The sections live here (kernels, parity, memory, tp, sampler), in pdserve.gpucheck_perf (decode,
-prefill, int8, int4), pdserve.gpucheck_kv (kv transfer) and pdserve.gpucheck_offload (kv
+prefill, int8, int4, moe), pdserve.gpucheck_kv (kv transfer) and pdserve.gpucheck_offload (kv
 offload); none needs the web stack, Redis or
 NIXL. Targets: decode within 1.5x of the floor at batch 1 and 64, prefill at >= 40% of the matmul
 peak. Exit status 0 when every row passes. `--quick` runs tiny shapes (any device; on CPUs with
@@ -58,7 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.gpucheck_device import release, sync, timed
-from pdserve.gpucheck_perf import TINY_DECODE, decode_and_prefill
+from pdserve.gpucheck_perf import TINY_DECODE, decode_and_prefill, moe_kernel
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -108,7 +113,8 @@ def kernel_tests(report: Report, device: str) -> None:
         env.pop("TRITON_INTERPRET", None)
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                f"--junitxml={xml}", "tests/test_triton_kernels.py",
-               "tests/test_triton_quant_linear.py", "tests/test_triton_engine.py"]
+               "tests/test_triton_quant_linear.py", "tests/test_triton_moe.py",
+               "tests/test_triton_engine.py"]
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         took = time.perf_counter() - t0
@@ -377,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                         "with TRITON_INTERPRET=1)")
     p.add_argument("--families", default="llama,qwen2,qwen3", help="parity model families")
     p.add_argument("--skip", default="", help="comma list of sections to skip: kernels, "
-                   "parity, memory, decode, int8, int4, tp, sampler, kv, offload")
+                   "parity, memory, decode, int8, int4, moe, tp, sampler, kv, offload")
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -405,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
                 ("decode", lambda: perf(report, args.device, args.quick, steps), True),
                 ("int8", lambda: perf(report, args.device, args.quick, steps, "int8"), True),
                 ("int4", lambda: perf(report, args.device, args.quick, steps, "w4a16"), True),
+                ("moe", lambda: moe_kernel(report, args.device, args.quick), cuda),
                 ("tp", lambda: tensor_parallel(report, args.device, args.quick), cuda),
                 ("sampler", lambda: sampler_check(report, args.device, args.quick), True),
                 ("kv", lambda: gpucheck_kv.kv_roundtrip(report, args.device), True),

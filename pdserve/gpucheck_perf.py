@@ -1,8 +1,8 @@
 """`make gpu-check`'s performance sections (pdserve.gpucheck runs them): decode steps of a
 random-weight Llama-3-8B-shaped model against the bandwidth floor, a prefill against the
-matmul peak, and the same decode steps with int8 and 4-bit linear layers against bf16's
-(`--quick`: a tiny model of the same shape family, no targets). torch and the engine are
-imported in the functions."""
+matmul peak, the same decode steps with int8 and 4-bit linear layers against bf16's, and the
+fused MoE kernel at Qwen3-30B-A3B's MoE layer against its roofline (`--quick`: a tiny model of
+the same shape family, no targets). torch and the engine are imported in the functions."""
 
 from __future__ import annotations
 
@@ -205,3 +205,91 @@ def _prefill_row(report, runner, mc, base: int, prompt: int, bs: int, peak: floa
     report.add("prefill", f"{prompt}-token prompt", f"{seconds * 1e3:.1f} ms, "
                f"{prompt / seconds:.0f} tok/s, {flops / seconds / 1e12:.0f} TFLOP/s = "
                f"{share:.0%} of the matmul peak", ">= 40%", None if quick else share >= 0.40)
+
+
+# ---------------------------------------------------------------------------- MoE kernel
+QWEN3_30B_A3B_MOE = dict(hidden=2048, intermediate=768, experts=128, topk=8)
+TINY_MOE = dict(hidden=128, intermediate=96, experts=8, topk=2)
+
+
+def _graph_time(fn, reps: int) -> float:
+    """Seconds per call of fn from a CUDA graph of `reps` calls replayed back to back (launch
+    overhead off the clock: what a decode step's graph pays), the best of 3 replays."""
+    import torch
+
+    fn()                                        # compiles, fills the allocator's pools
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3 / reps)
+    return best
+
+
+def moe_kernel(report, device: str, quick: bool) -> None:
+    """pdkernels.triton_moe.fused_moe at Qwen3-30B-A3B's MoE layer (2048 -> 768, 128 experts,
+    top-8) in bf16 with random weights and a random router, at T = 1, 16 and 256 tokens: its
+    output against fused_moe_ref, its time per call (CUDA graph replays, and eager calls), and
+    the roofline: the weight bytes of the experts it routes to (+ x and out) over the measured
+    copy bandwidth, or its FLOPs over the bf16 matmul peak, whichever is longer. Memory-bound
+    at these T; the time includes moe_align's torch ops. (`--quick`: a tiny layer, no
+    targets; on CPUs, under the interpreter, eager times only: the section runs on CUDA.)"""
+    import torch
+
+    from pdkernels.triton_moe import fused_moe, fused_moe_ref, plan
+    from pdkernels.triton_quant_linear import num_sms_of
+
+    dev = torch.device(device)
+    release(device)
+    shape = TINY_MOE if quick else QWEN3_30B_A3B_MOE
+    h, inter, e, k = (shape[n] for n in ("hidden", "intermediate", "experts", "topk"))
+    dtype = torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    w13 = (torch.randn(e, 2 * inter, h, generator=g, device=dev) * h ** -0.5).to(dtype)
+    w2 = (torch.randn(e, h, inter, generator=g, device=dev) * inter ** -0.5).to(dtype)
+    sms = num_sms_of(dev)
+    bw, peak = _copy_bandwidth(dev), _matmul_peak(dev)
+    expert_bytes = 3 * h * inter * w13.element_size()
+    report.add("moe", "setup", f"{e} experts x [{2 * inter}x{h} + {h}x{inter}] bf16 = "
+               f"{e * expert_bytes / 2**30:.2f} GiB, top-{k}, {sms} SMs; copy bandwidth "
+               f"{bw / 1e12:.2f} TB/s, bf16 matmul peak {peak / 1e12:.0f} TFLOP/s")
+    for t in (1, 16, 256):
+        x = torch.randn(t, h, generator=g, device=dev).to(dtype)
+        logits = torch.randn(t, e, generator=g, device=dev)
+        weights, ids = logits.softmax(-1).topk(k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = fused_moe(x, w13, w2, weights, ids, num_sms=sms)
+        ref = fused_moe_ref(x, w13, w2, weights, ids)
+        err = float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+        def eager():
+            fused_moe(x, w13, w2, weights, ids, num_sms=sms)
+            sync(dev)
+
+        wall = timed(eager, *((1, 1) if quick else (20, 3)))
+        graph = wall if dev.type != "cuda" else \
+            _graph_time(lambda: fused_moe(x, w13, w2, weights, ids, num_sms=sms),
+                        1 if quick else 20)
+        hit = int(ids.unique().numel())
+        moved = hit * expert_bytes + 2 * x.numel() * x.element_size()
+        flops = 2 * t * k * 3 * h * inter
+        roof = max(moved / bw, flops / peak)
+        p = plan(t, h, inter, e, k, sms)
+        ok = err <= 2e-2
+        report.add("moe", f"fused_moe T={t} (block_m {p.block_m}, {hit} experts hit)",
+                   f"{graph * 1e6:.1f} us graphed ({wall * 1e6:.0f} us eager); "
+                   f"{moved / graph / 1e12:.2f} TB/s = {moved / graph / bw:.0%} of copy, "
+                   f"{flops / graph / 1e12:.1f} TFLOP/s = {flops / graph / peak:.1%} of peak; "
+                   f"roofline {roof * 1e6:.1f} us: {graph / roof:.2f}x; max |out - ref| "
+                   f"{err:.1e} x max", "|out - ref| <= 2e-2 x max", None if quick else ok)
+    del w13, w2
+    release(device)
