@@ -56,3 +56,17 @@ def test_triton_backend_verifies_ngram_proposals_as_torch_does(tmp_path):
                         num_speculative_tokens=3)
     assert got == want
     assert eng.stats.spec_proposed > 0
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "glm4_moe"])
+def test_triton_moe_backend_gives_the_torch_backends_greedy_tokens(tmp_path, family):
+    """An MoE model on the triton backends: attention and the fused-MoE kernel (its experts'
+    backend under auto) against the torch attention backend with the reference experts."""
+    from engine.layers.moe import Experts
+    from tests.moe_models import make_moe
+
+    make_moe(tmp_path, family)
+    want, _ = generate(tmp_path, "torch", moe_backend="reference")
+    got, eng = generate(tmp_path, "triton")
+    assert {m.method.name for m in eng.model.modules() if isinstance(m, Experts)} == {"triton"}
+    assert got == want
