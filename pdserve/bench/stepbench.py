@@ -15,6 +15,14 @@ step and its share of the step.
 --tensor-parallel-size N splits the model over N ranks (processes, --threads each; on CPUs over
 gloo): the linear layers are timed on rank 0, their all-reduces included.
 
+--shape NAME runs a model of a known shape with random weights instead of a folder (--layers
+of them, so a large model fits in memory): qwen3-30b-a3b (128 experts, top-8, expert width 768,
+hidden 2048) and qwen3-30b-a3b-dense, the same attention with a dense MLP of the same active
+parameters (8 x 768 = 6144 wide): the pair shows what a decode step of the MoE costs against a
+dense model doing the same arithmetic per token. --moe-backend picks the experts' backend
+(reference: the loop over experts; grouped: the CPU path), --expert-parallel splits them over
+--tensor-parallel-size ranks.
+
 --compare 1,8,32 times every CPU path the host can run (--linear-method avx2 / onednn / torch
 x --cpu-attention avx2 / sdpa) at each batch size, --rounds passes over them all interleaved
 (the machine's noise falls on every path alike), and prints one table of median step times with
@@ -30,7 +38,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from cluster.paths import default_model_dir, resolve_model
-from pdserve.flags import QUANTIZATION_CHOICES, DefaultsFormatter, add_cpu_paths
+from pdserve.flags import MOE_BACKENDS, QUANTIZATION_CHOICES, DefaultsFormatter, add_cpu_paths
 
 if TYPE_CHECKING:
     import torch
@@ -38,6 +46,20 @@ if TYPE_CHECKING:
     from engine.engine import Engine
 
 WARMUP = 3
+
+# --shape: HF-style configs of known models (random weights; --layers sets the depth)
+_QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=151936,
+                      hidden_size=2048, intermediate_size=6144, num_attention_heads=32,
+                      num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
+                      rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
+                      num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+SHAPES = {
+    "qwen3-30b-a3b": _QWEN3_30B_A3B,
+    # the same attention, a dense MLP as wide as the 8 active experts together
+    "qwen3-30b-a3b-dense": dict(_QWEN3_30B_A3B, architectures=["Qwen3ForCausalLM"],
+                                intermediate_size=8 * 768),
+}
 ENDLESS_SCHEMA = {"type": "array", "items": {"type": "string"}, "minItems": 10000}
 
 
@@ -83,19 +105,30 @@ def run(args) -> dict:
     from engine.config import EngineConfig
     from engine.engine import Engine
 
+    from engine.config import ModelConfig
+
     torch.set_num_threads(args.threads)
+    shape = getattr(args, "shape", None)
+    model_cfg = None
+    if shape:
+        if args.model:
+            raise ValueError("--shape builds a model of random weights: drop --model")
+        model_cfg = ModelConfig.from_hf(dict(SHAPES[shape], num_hidden_layers=args.layers))
     budget = max(2048, args.context)
     # the first sequences decode while the last prompts are computed: room for those tokens too
     new = args.steps + WARMUP + 2 + -(-args.batch * args.context // budget) + 1
     blocks = args.batch * (-(-(args.context + new) // 16)) + 16
-    eng = Engine(resolve_model(args.model),
+    eng = Engine(None if shape else resolve_model(args.model),
                  EngineConfig(num_blocks=blocks, max_num_seqs=args.batch,
                               max_num_batched_tokens=budget,
                               attention_backend=args.attention_backend,
                               linear_method=getattr(args, "linear_method", "auto"),
                               cpu_attention=getattr(args, "cpu_attention", "auto"),
                               quantization=args.quantization,
-                              tensor_parallel_size=getattr(args, "tensor_parallel_size", 1)))
+                              tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                              expert_parallel=getattr(args, "expert_parallel", False),
+                              moe_backend=getattr(args, "moe_backend", "auto")),
+                 model_cfg, random_weights=bool(shape))
     try:
         return _measure(args, eng, new)
     finally:
@@ -170,13 +203,21 @@ def _measure(args, eng: Engine, new: int) -> dict:
     cpu_path = None
     if runner.device.type == "cpu" and getattr(runner.backend, "kernel", None) is not None:
         cpu_path = "avx2" if runner.backend.kernel else "sdpa"
-    out = dict(batch=args.batch, context=args.context, threads=args.threads, tensor_parallel=tp,
+    moe = eng.model_cfg.moe
+    out = dict(shape=getattr(args, "shape", None), moe_backend=getattr(args, "moe_backend", None)
+               if moe else None,
+               batch=args.batch, context=args.context, threads=args.threads, tensor_parallel=tp,
                backend=runner.backend.name, cpu_attention=cpu_path, linear_methods=methods, step_ms=step * 1e3, linear_ms=lin * 1e3,
                outside_ms=(step - lin) * 1e3, outside_share=(step - lin) / step,
                best_step_ms=min(steps) * 1e3)
     if structured:
         mask = statistics.median(masks[WARMUP:])
         out.update(structured="json", mask_ms=mask * 1e3, mask_share=mask / step)
+    if moe is not None:
+        from engine.layers.moe import Experts
+        backend = next(m for m in eng.model.modules() if isinstance(m, Experts)).method.name
+        print(f"MoE: {moe.num_experts} experts, top-{moe.top_k}, {len(moe.layers)} MoE "
+              f"layers; experts' backend {backend}")
     print(f"batch {args.batch}, {args.context}-token contexts, {args.threads} thread(s)"
           f"{f' x {tp} ranks' if tp > 1 else ''}, "
           f"{out['backend']}{f'/{cpu_path}' if cpu_path else ''} attention, linear {'+'.join(methods)}: decode step {out['step_ms']:.1f} ms (median of "
@@ -282,6 +323,15 @@ def register(sub) -> None:
                    help="as the workers' flag; w4a16 / w8a8 with random weights (no --model)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="split the model over N ranks, --threads each (as the workers' flag)")
+    p.add_argument("--shape", default=None, choices=sorted(SHAPES),
+                   help="a model of this shape with random weights instead of --model (MoE "
+                        "and its dense equal in active parameters)")
+    p.add_argument("--layers", type=int, default=2,
+                   help="with --shape: decoder layers (a 48-layer model in 2 fits in memory)")
+    p.add_argument("--moe-backend", default="auto", choices=MOE_BACKENDS,
+                   help="MoE models: the experts' backend (as the workers' flag)")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="MoE models: experts split whole over the ranks (as the workers' flag)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--structured", default="off", choices=["off", "json"],
                    help="json: every sequence follows a JSON-schema grammar; the report adds "
