@@ -26,10 +26,11 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.layers import LayerOptions
-from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
 from engine.layers.embedding import VocabParallelEmbedding
 from engine.layers.linear import ColumnParallelLinear, MergedLinear, RowParallelLinear
+from engine.layers.mlp import GatedMLP
+from engine.layers.moe import MoE
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.parallel import SINGLE, TPGroup, head_range
@@ -125,23 +126,6 @@ class GQAAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, rope, cache, meta))        # [T, hidden]
 
 
-class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), gate and up one merged matmul; column/row parallel."""
-
-    def __init__(self, hidden: int, intermediate: int, opts: LayerOptions,
-                 tp: TPGroup | None = None, reduce: bool = True) -> None:
-        super().__init__()
-        tp = opts.tp if tp is None else tp
-        self.gate_up_proj = MergedLinear(hidden, [intermediate, intermediate], False, opts.linear,
-                                         tp)
-        self.act = SiluAndMul(opts.kernels)
-        self.down_proj = RowParallelLinear(intermediate, hidden, False, opts.linear, tp,
-                                           reduce=reduce)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))           # [T, hidden]
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, opts: LayerOptions, mlp: nn.Module) -> None:
         super().__init__()
@@ -204,7 +188,6 @@ class DecoderLM(nn.Module):
     def make_mlp(cfg: ModelConfig, opts: LayerOptions, layer: int) -> nn.Module:
         """Layer `layer`'s feed-forward: an MoE layer where the config says so, else dense."""
         if cfg.is_moe_layer(layer):
-            from engine.layers.moe import MoE
             return MoE(cfg, opts)
         return GatedMLP(cfg.hidden_size, cfg.intermediate_size, opts)
 

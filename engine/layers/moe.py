@@ -51,7 +51,8 @@ from torch import nn
 
 from engine.config import MOE_BACKENDS, ModelConfig, MoEConfig
 from engine.layers import LayerOptions
-from engine.layers.linear import DenseMethod, Linear, LinearMethod, materialize
+from engine.layers.linear import DenseMethod, Linear, LinearMethod
+from engine.layers.mlp import GatedMLP
 from engine.parallel import SINGLE, TPGroup
 
 
@@ -284,8 +285,6 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig, opts: LayerOptions) -> None:
         super().__init__()
-        from engine.layers.decoder import GatedMLP
-
         moe, tp = cfg.moe, opts.tp
         self.moe, self.tp = moe, tp
         self.ep = opts.expert_parallel and tp.size > 1
