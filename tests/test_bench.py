@@ -301,3 +301,35 @@ def test_bench_multi_turn_conversations_grow_turn_by_turn(baseline):
     assert max(r["prompt_tokens"] for r in turns) >= 12 + 2 * (4 + 5) - 4
     with pytest.raises(ValueError, match="not a rate"):
         BenchConfig(workload="multi-turn", request_rate=(1.0,))
+
+
+def test_stepbench_times_an_moe_model_on_each_experts_backend(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from tests.moe_models import make_moe
+
+    make_moe(tmp_path / "moe", "qwen3_moe")
+    for backend in ("reference", "grouped"):
+        out = tmp_path / f"{backend}.json"
+        proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "stepbench", "--model",
+                               str(tmp_path / "moe"), "--batch", "4", "--context", "20",
+                               "--steps", "2", "--moe-backend", backend, "--out", str(out)],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        assert f"MoE: 6 experts, top-2, 3 MoE layers; experts' backend {backend}" in proc.stdout
+        got = json.loads(out.read_text())
+        assert got["moe_backend"] == backend and got["step_ms"] > 0
+
+
+def test_stepbench_moe_shape_and_its_dense_equal_do_the_same_arithmetic_per_token():
+    from engine.config import ModelConfig
+    from pdserve.bench.stepbench import SHAPES
+
+    moe = ModelConfig.from_hf(dict(SHAPES["qwen3-30b-a3b"], num_hidden_layers=2))
+    dense = ModelConfig.from_hf(dict(SHAPES["qwen3-30b-a3b-dense"], num_hidden_layers=2))
+    assert moe.moe.num_experts == 128 and moe.moe.top_k == 8 and dense.moe is None
+    assert moe.moe.top_k * moe.moe.intermediate_size == dense.intermediate_size
+    assert (moe.hidden_size, moe.num_heads, moe.num_kv_heads, moe.head_dim) == \
+        (dense.hidden_size, dense.num_heads, dense.num_kv_heads, dense.head_dim)
