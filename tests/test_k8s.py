@@ -26,7 +26,7 @@ from tests.conftest import needs_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
-OVERLAYS = ["cpu", "gpu", "tp", "keda", "inference-pool"]
+OVERLAYS = ["cpu", "gpu", "tp", "ep", "keda", "inference-pool"]
 KUBE_VERSION = "1.32.0"          # native gRPC probes: 1.27 on
 CRDS = {("keda.sh/v1alpha1", "ScaledObject"): "keda.sh_v1alpha1_scaledobject.json",
         ("inference.networking.k8s.io/v1", "InferencePool"):
@@ -269,6 +269,24 @@ def test_the_gpu_overlays_give_each_worker_its_gpus():
             vols = {v["name"]: v for v in deployment(overlay, role)["spec"]["template"]["spec"]
                     ["volumes"]}
             assert vols["models"]["persistentVolumeClaim"]["claimName"] == "pdserve-models"
+
+
+def test_the_ep_overlay_starts_an_expert_parallel_decode_pool():
+    """Decode over 4 GPUs with the experts split whole, prefill over 2 (tensor parallel), each
+    size one the worker's start check accepts for Qwen3-30B-A3B's shape."""
+    from engine.config import ModelConfig
+    from engine.parallel import check_split
+    from pdserve.bench.stepbench import SHAPES
+
+    model = ModelConfig.from_hf(dict(SHAPES["qwen3-30b-a3b"], num_hidden_layers=48))
+    for role, gpus, ep in (("prefill", 2, False), ("decode", 4, True)):
+        args = command_line("ep", role)
+        c = deployment("ep", role)["spec"]["template"]["spec"]["containers"][0]
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == str(gpus)
+        assert int(args[args.index("--tensor-parallel-size") + 1]) == gpus
+        assert ("--expert-parallel" in args) == ep
+        assert args[args.index("--model") + 1] == "/models/Qwen3-30B-A3B"
+        check_split(model, gpus, ep)
 
 
 def test_the_scaling_queries_name_the_gateways_metrics():
