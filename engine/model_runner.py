@@ -34,6 +34,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.layers import LayerOptions
 from engine.layers import quant_formats
 from engine.layers.linear import linear_method_for
+from engine.layers.moe import graph_safe as moe_graph_safe
 from engine.layers.quant_formats import QuantScheme
 from engine.parallel import (SINGLE, RankFailure, ShardedKV, TPGroup, check_split, head_range,
                              local_config)
@@ -121,7 +122,7 @@ class ModelRunner:
         self.pool = self.kv if tp.size == 1 else ShardedKV(self, model_cfg.num_kv_heads)
         self.graphs = None
         if (self.device.type == "cuda" and self.backend.cuda_graphs and not cfg.enforce_eager
-                and tp.size == 1):
+                and tp.size == 1 and moe_graph_safe(self.model)):
             self.graphs = DecodeGraphs(self, self.max_graph_batch)
             self.graphs.capture()
         self._plan = None

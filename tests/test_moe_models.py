@@ -221,3 +221,14 @@ def test_other_activations_are_refused():
                              "vocab_size": 8, "hidden_size": 8, "num_hidden_layers": 1,
                              "num_attention_heads": 2, "num_local_experts": 2,
                              "num_experts_per_tok": 1, "intermediate_size": 4})
+
+
+def test_only_the_fused_kernel_is_captured_in_cuda_graphs(tmp_path):
+    """The grouped and reference backends read expert counts on the host: a GPU engine with
+    them (int8 experts, or forced) decodes eagerly."""
+    from engine.layers.moe import ReferenceMoE, TritonMoE, graph_safe
+
+    make_moe(tmp_path, "olmoe")
+    eng = _engine(tmp_path)
+    assert not graph_safe(eng.model)
+    assert TritonMoE.graph_safe and not GroupedMoE.graph_safe and not ReferenceMoE.graph_safe

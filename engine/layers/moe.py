@@ -176,6 +176,7 @@ class MoEMethod:
     -> [R, H], ids local to the rank (-1: not here, contributes nothing)."""
 
     name = "reference"
+    graph_safe = False       # no host sync inside: a CUDA graph can capture it
 
     def process_weights_after_loading(self, experts: Experts) -> None:
         pass
@@ -246,6 +247,7 @@ class TritonMoE(MoEMethod):
     """pdkernels/triton_moe.py over the stacked weights (CUDA)."""
 
     name = "triton"
+    graph_safe = True
 
     def __init__(self, num_sms: int | None = None) -> None:
         from pdkernels.triton_moe import fused_moe
@@ -255,6 +257,12 @@ class TritonMoE(MoEMethod):
               ids: torch.Tensor) -> torch.Tensor:
         return self._fused(x.contiguous(), experts.gate_up_proj, experts.down_proj,
                            weights.float().contiguous(), ids.contiguous(), self.num_sms)
+
+
+def graph_safe(model: nn.Module) -> bool:
+    """Whether every MoE layer of `model` can be captured in a CUDA graph (the grouped and
+    reference backends read the expert counts on the host)."""
+    return all(m.method.graph_safe for m in model.modules() if isinstance(m, Experts))
 
 
 def moe_method_for(opts: LayerOptions) -> MoEMethod:
