@@ -108,6 +108,18 @@ def _loader(model: nn.Module, name: str):
     return param, loader
 
 
+def checkpoint_files(d: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those its index names, when it has one (some repos
+    also ship the original trainer's `consolidated*.safetensors`, other names for the same
+    weights), else every one but those."""
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        import json
+        names = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        return sorted(d / n for n in names)
+    return sorted(f for f in d.glob("*.safetensors") if not f.name.startswith("consolidated"))
+
+
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device,
                cfg: ModelConfig, opts: LayerOptions,
                round_to: torch.dtype | None = None,
@@ -120,7 +132,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
     the ones the model's `checkpoint_target` names unused (rotary caches some exporters add,
     next-token-prediction layers)."""
     d = Path(model_dir)
-    files = sorted(d.glob("*.safetensors"))
+    files = checkpoint_files(d)
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {d}")
     model = build_empty(cfg, opts, dtype, device)
@@ -153,7 +165,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.de
             if tensor is not None and tensor.dtype == torch.int8 and param.dtype != torch.int8:
                 raise ValueError(f"{name}: {target} is quantized in this checkpoint; only "
                                  "full-precision lm_head and embeddings are supported")
-            loaded = tensor if tensor is not None else CheckpointTensor(st, name, round_to)
+            module_name, _, attr = target.rpartition(".")
+            keep = attr in getattr(model.get_submodule(module_name), "float32_params", ())
+            loaded = tensor if tensor is not None else CheckpointTensor(
+                st, name, None if keep else round_to)   # float32 parameters are not rounded
             try:
                 loader(param, loaded, shard)
             except ValueError as exc:

@@ -113,6 +113,9 @@ def build_engine(args, role: str):
              if cfg.tensor_parallel_size > 1 else "")
     if model_cfg.moe is not None:
         log.info("%s", moe_shape(model_cfg, cfg, engine.model))
+        for m in engine.model.modules():      # the start's profiling and warm-up passes
+            if hasattr(m, "counts"):
+                m.counts.zero_()
     return engine, model_dir
 
 
@@ -338,9 +341,15 @@ def _worker_metrics(role: str, ident: WorkerIdentity, engine, load: Callable):
 def expert_counts(model) -> Callable[[], dict[int, list[int]]]:
     """{layer: tokens per expert} of the MoE layers (rank 0 routes every token, so under
     tensor or expert parallelism its counts are the whole worker's)."""
+    import torch
+
     layers = {i: layer.mlp for i, layer in enumerate(model.model.layers)
               if hasattr(layer.mlp, "counts")}
-    return lambda: {i: mlp.counts.tolist() for i, mlp in layers.items()}
+
+    def read() -> dict[int, list[int]]:      # one copy off the device per scrape
+        counts = torch.stack([mlp.counts for mlp in layers.values()]).tolist()
+        return dict(zip(layers, counts))
+    return read
 
 
 async def _until_signal(loop: asyncio.AbstractEventLoop) -> asyncio.Event:

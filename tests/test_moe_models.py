@@ -232,3 +232,70 @@ def test_only_the_fused_kernel_is_captured_in_cuda_graphs(tmp_path):
     eng = _engine(tmp_path)
     assert not graph_safe(eng.model)
     assert TritonMoE.graph_safe and not GroupedMoE.graph_safe and not ReferenceMoE.graph_safe
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_each_rank_loads_its_slice_of_every_layout(ep):
+    """Experts of ranks 0 and 1 of two (tensor parallel: each expert's columns; expert
+    parallel: whole experts), from fused 3-D tensors and from per-expert ones, hold exactly
+    their slice of the whole."""
+    from engine.parallel import TPGroup
+
+    e, h, i = 5, 8, 6
+    gate_up = torch.randn(e, 2 * i, h)
+    down = torch.randn(e, h, i)
+    for rank in (0, 1):
+        tp = TPGroup(rank=rank, size=2)
+        fused, per = Experts(e, h, i, tp, ep), Experts(e, h, i, tp, ep)
+        fused.weight_loader(fused.gate_up_proj, gate_up)
+        fused.weight_loader(fused.down_proj, down)
+        for x in range(e):
+            per.weight_loader(per.gate_up_proj, gate_up[x, :i], (x, "gate"))
+            per.weight_loader(per.gate_up_proj, gate_up[x, i:], (x, "up"))
+            per.weight_loader(per.down_proj, down[x], (x, "down"))
+        if ep:
+            first, n = expert_range(e, 2, rank)
+            want_gu, want_d = gate_up[first:first + n], down[first:first + n]
+        else:
+            cols = slice(rank * i // 2, (rank + 1) * i // 2)
+            want_gu = torch.cat([gate_up[:, :i][:, cols], gate_up[:, i:][:, cols]], 1)
+            want_d = down[:, :, cols]
+        for got in (fused, per):
+            assert torch.equal(got.gate_up_proj.data, want_gu)
+            assert torch.equal(got.down_proj.data, want_d)
+
+
+def test_router_tensors_keep_float32_in_a_bf16_model(tmp_path):
+    """The sigmoid router's weight and correction bias are float32 parameters and load
+    unrounded (HF keeps them in fp32): a bias of 5.1234567 rounded to bf16 would tie 5.13."""
+    hf = make_moe(tmp_path, "glm4_moe")
+    eng = _engine(tmp_path, dtype="bfloat16", compute_dtype="float32")
+    ours = eng.model.model.layers[1].mlp.gate
+    theirs = hf.model.layers[1].mlp.gate
+    assert ours.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(ours.e_score_correction_bias, theirs.e_score_correction_bias.float())
+    assert torch.equal(ours.weight, theirs.weight.float())
+    experts = eng.model.model.layers[1].mlp.experts
+    assert experts.method.name == "grouped"       # (the experts' weights were rounded)
+
+
+@pytest.mark.parametrize("index", [False, True])
+def test_the_checkpoint_index_names_the_files(tmp_path, index):
+    """A repo's other trainer files (consolidated*.safetensors: the same weights under other
+    names) are not read, with or without model.safetensors.index.json."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    hf = make_moe(tmp_path, "mixtral")
+    save_file({"layers.0.attention.wq.weight": torch.zeros(4, 4)},
+              str(tmp_path / "consolidated.safetensors"))
+    if index:
+        with safe_open(str(tmp_path / "model.safetensors"), "pt") as st:
+            names = list(st.keys())
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+            {"weight_map": {n: "model.safetensors" for n in names}}))
+    ids = _ids(9, seed=6)
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+    torch.testing.assert_close(engine_logits(_engine(tmp_path), ids[0].tolist()), ref,
+                               rtol=1e-4, atol=1e-4)

@@ -58,7 +58,7 @@ from engine.parallel import SINGLE, TPGroup
 
 def expert_range(num_experts: int, size: int, rank: int) -> tuple[int, int]:
     """(first expert, count) rank `rank` of `size` holds under expert parallelism: contiguous,
-    the remainder spread over the first ranks."""
+    the remainder spread over the later ranks (7 over 3: 2, 2, 3)."""
     first = rank * num_experts // size
     return first, (rank + 1) * num_experts // size - first
 
@@ -144,12 +144,13 @@ class Experts(nn.Module):
             want = (self.num_experts, h, full) if down else (self.num_experts, 2 * full, h)
             if tuple(loaded.shape) != want:
                 raise ValueError(f"checkpoint gives {tuple(loaded.shape)}, model expects {want}")
-            mine = loaded.narrow(0, self.first, self.local)
-            if down:
-                param.data.copy_(mine.narrow(2, self.i_start, i))
-            else:
-                param.data[:, :i].copy_(mine.narrow(1, self.i_start, i))
-                param.data[:, i:].copy_(mine.narrow(1, full + self.i_start, i))
+            for e in range(self.local):        # one expert read at a time
+                one = loaded.narrow(0, self.first + e, 1)[0]
+                if down:
+                    param.data[e].copy_(one.narrow(1, self.i_start, i))
+                else:
+                    param.data[e, :i].copy_(one.narrow(0, self.i_start, i))
+                    param.data[e, i:].copy_(one.narrow(0, full + self.i_start, i))
             return
         expert, part = shard
         if not 0 <= expert < self.num_experts:

@@ -33,7 +33,7 @@ class Glm4MoeForCausalLM(DecoderLM):
 
 
 FAMILIES = [Family("glm4_moe", ("Glm4MoeForCausalLM",), Glm4MoeForCausalLM, config,
-                   examples="GLM-4.5, GLM-4.5-Air, GLM-4.6, GLM-4.7", moe=True,
+                   examples="GLM-4.5, GLM-4.5-Air, GLM-4.6, GLM-4.7 (bf16; the FP8 releases are refused)", moe=True,
                    attention="GQA, q/k/v bias, q/k RMSNorm per head (`use_qk_norm`), partial "
                              "rotary",
                    feed_forward="MoE: sigmoid router, correction bias, group-limited top-k, "

@@ -30,6 +30,6 @@ class MiniMaxM2ForCausalLM(DecoderLM):
 
 
 FAMILIES = [Family("minimax_m2", ("MiniMaxM2ForCausalLM",), MiniMaxM2ForCausalLM, config,
-                   examples="MiniMax-M2, MiniMax-M2.1", moe=True,
+                   examples="MiniMax-M2, MiniMax-M2.1 (bf16 conversions: the FP8 releases are refused)", moe=True,
                    attention="GQA, q/k RMSNorm across heads, partial rotary (`rotary_dim`)",
                    feed_forward="MoE: sigmoid router, correction bias, top-k renormalized", quantization=MOE_QUANT)]
