@@ -11,7 +11,9 @@ block reference a transfer needs; senders' reads of the blocks it holds go throu
 Admission: with `max_waiting`, a request that would find that many waiting already is refused
 at once (Overloaded) instead of queueing without bound. If the engine thread dies, every
 request fails with the reason, later calls raise EngineDead, and `on_death(reason)` runs on
-the loop (the worker reports NOT_SERVING and leaves the registry).
+the loop (the worker reports NOT_SERVING and leaves the registry). A step or command that fails
+is the batch's failure (or the command's), unless it left the device unusable (a sticky CUDA
+error, engine.device_faults): then the thread ends the same way.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Awaitable, Callable
 import torch
 
 from engine.core_share import CoreShare
+from engine.device_faults import DeviceFailure, sticky_error
 from engine.engine import Engine
 from engine.parallel import RankFailure
 from engine.request import Request, RequestOutput, Status, TokenLogprob
@@ -329,8 +332,9 @@ class AsyncEngine:
                 fn(*args)
             except RankFailure:
                 raise
-            except Exception:    # nobody waits for it: say so, and keep the engine going
+            except Exception as exc:   # nobody waits for it: say so, and keep the engine going
                 log.exception("engine command %s failed", getattr(fn, "__qualname__", fn))
+                self._stop_if_device_lost(exc)
             return
         if not fut.set_running_or_notify_cancel():
             return
@@ -341,6 +345,14 @@ class AsyncEngine:
             raise
         except Exception as exc:
             fut.set_exception(exc)
+            self._stop_if_device_lost(exc)
+
+    def _stop_if_device_lost(self, exc: Exception) -> None:
+        """A sticky device error (engine.device_faults) ends the engine thread: _run fails
+        every request and tells the worker, which reports NOT_SERVING."""
+        why = sticky_error(exc, self.engine.device)
+        if why is not None:
+            raise DeviceFailure(f"the device is unusable after a CUDA error: {why}") from exc
 
     def _run(self) -> None:
         try:
@@ -348,8 +360,11 @@ class AsyncEngine:
         except BaseException as exc:   # the thread is gone: nobody may wait on it any more
             log.critical("the engine thread died", exc_info=True)
             self._die(f"the worker's engine stopped: {type(exc).__name__}: {exc}")
-            if isinstance(exc, RankFailure):
-                self.engine.close()    # the other ranks go (they hold their shards' memory)
+            if isinstance(exc, (RankFailure, DeviceFailure)):
+                try:                   # the other ranks go (they hold their shards' memory)
+                    self.engine.close()
+                except Exception:      # the device that failed may fail this too
+                    log.exception("closing the engine after its failure")
 
     def _die(self, reason: str) -> None:
         self.dead = reason
@@ -418,6 +433,7 @@ class AsyncEngine:
                 raise                 # the ranks may be out of step: the engine stops (_run)
             except Exception as exc:  # a bug must not hang every request: fail them loudly
                 log.exception("engine step failed")
+                self._stop_if_device_lost(exc)      # a sticky CUDA error: the engine stops
                 outputs = self._fail_all(f"engine step failed: {exc}")
             if outputs:
                 self._emit(outputs)

@@ -298,3 +298,78 @@ def test_a_huge_prompt_is_tokenized_off_the_event_loop(stack):
     assert done.get("status") == 400, done               # far longer than the context
     assert latencies, "the huge prompt was refused before /health could be asked"
     assert max(latencies) < done["took"] / 2, (latencies, done)
+
+
+def _serve_then_fail(tiny_model_dir, error: Exception, probe_fails: bool = False,
+                     monkeypatch=None):
+    """A running request, then a step raising `error`: (reasons the engine died for, the
+    running request's outputs' errors, whether a later request was served)."""
+    import engine.device_faults as faults
+
+    if probe_fails:
+        def dead_device(device):
+            raise RuntimeError("CUDA error: unspecified launch failure (probe)")
+        monkeypatch.setattr(faults, "probe_device", dead_device)
+
+    async def run():
+        died = asyncio.Event()
+        reasons = []
+        aengine = AsyncEngine(engine(tiny_model_dir, num_blocks=256),
+                              on_death=lambda r: (reasons.append(r), died.set()))
+        aengine.start()
+        long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        running = await aengine.add(Request("running", [1, 2, 3], long))
+        await running.get()
+        step, calls = aengine.engine.step, []
+
+        def failing_step():
+            calls.append(1)
+            if len(calls) == 1:
+                raise error
+            return step()
+        aengine.engine.step = failing_step
+        errors = []
+        while True:
+            out = await asyncio.wait_for(running.get(), 10)
+            if out.error:
+                errors.append(out.error)
+                break
+        served = False
+        try:
+            later = await aengine.add(Request("later", [4, 5, 6], GREEDY))
+            while True:
+                out = await asyncio.wait_for(later.get(), 10)
+                if out.error or out.finished:
+                    served = not out.error
+                    break
+        except EngineDead:
+            pass
+        aengine.stop()
+        return reasons, errors, served
+
+    return asyncio.run(run())
+
+
+def test_a_sticky_device_error_ends_the_engine(tiny_model_dir):
+    """An illegal memory access leaves the CUDA context unusable: the engine stops (the worker
+    goes NOT_SERVING and is restarted) instead of failing every later step."""
+    err = RuntimeError("CUDA error: an illegal memory access was encountered")
+    reasons, errors, served = _serve_then_fail(tiny_model_dir, err)
+    assert len(reasons) == 1 and "illegal memory access" in reasons[0]
+    assert "device is unusable" in reasons[0]
+    assert errors and "illegal memory access" in errors[0] and not served
+
+
+def test_an_error_the_device_does_not_survive_ends_the_engine(tiny_model_dir, monkeypatch):
+    """An error of unknown kind after which the device fails its probe: the engine stops."""
+    reasons, errors, served = _serve_then_fail(tiny_model_dir, RuntimeError("cuBLAS failed"),
+                                               probe_fails=True, monkeypatch=monkeypatch)
+    assert len(reasons) == 1 and "cuBLAS failed" in reasons[0] and "probe" in reasons[0]
+    assert errors and not served
+
+
+def test_a_plain_step_error_fails_only_its_batch(tiny_model_dir):
+    """An error that leaves the device working fails the running batch; the engine serves the
+    next request."""
+    reasons, errors, served = _serve_then_fail(tiny_model_dir, ValueError("one bad row"))
+    assert reasons == [] and errors and "one bad row" in errors[0] and served
