@@ -1,8 +1,18 @@
 """`make gpu-check` (`python3 -m pdserve.gpucheck`): the GPU path, checked and measured on one GPU.
 
 Needs only torch, triton, transformers, numpy and pytest (no Redis, no web stack, no model
-files: random weights, no network). Prints one summary table:
+files: random weights, no network). The rows that use gRPC need the generated proto code: carry
+proto/pdserve_pb2.py and proto/pdserve_pb2_grpc.py (made by `python -m proto.build`) to the
+device, generated for its protobuf and grpcio; without them, or for other versions, those rows
+say why they skip. Each group of sections (GROUPS, in the order that learns the most first:
+versions, decode and prefill, memory, KV, MoE, sampler, TP, then the kernel and parity tests,
+which mostly compile and run at once) runs in its own process with its own timeout, cut to what
+`--deadline` leaves (540 s by default: one short run on a borrowed GPU); each row is appended
+to `--out` as a JSON line when measured, so a killed run keeps what it finished. Prints one
+summary table:
 
+  env          versions of torch, triton, transformers, grpcio, protobuf, numpy; the device;
+               whether the generated gRPC code can be used here
   kernels      every Triton kernel test on the device (tests/test_triton_kernels.py,
                tests/test_triton_quant_linear.py and tests/test_triton_moe.py: fp32, fp16, bf16)
                and the engine through the triton backend (tests/test_triton_engine.py)
@@ -83,10 +93,14 @@ FAMILIES = {
 @dataclass
 class Report:
     rows: list[tuple[str, str, str, str, bool | None]] = field(default_factory=list)
+    out: Path | None = None        # each row appended here as a JSON line when measured
 
     def add(self, section: str, item: str, result: str, target: str = "",
             ok: bool | None = None) -> None:
         self.rows.append((section, item, result, target, ok))
+        if self.out is not None:
+            with open(self.out, "a") as f:
+                f.write(json.dumps([section, item, result, target, ok]) + "\n")
         mark = {True: "ok", False: "FAIL", None: ""}[ok]
         print(f"  [{section}] {item}: {result} {target} {mark}", flush=True)
 
@@ -374,7 +388,110 @@ def sampler_check(report: Report, device: str, quick: bool) -> None:
                f"every processing {t_proc * 1e3:.2f} ms (host staging included)")
 
 
-def main(argv: list[str] | None = None) -> int:
+# The sections in the order that learns the most first: what the machine has, the 8B-shaped
+# decode and prefill rows (with int8 and int4 beside them: one process, the bf16 steps are their
+# baseline), memory sizing, the KV paths, the MoE kernel, the sampler, TP, then the kernel and
+# parity tests (mostly Triton's compiles: the two run at once). Each group is one subprocess
+# with its own timeout: name -> (sections, seconds).
+GROUPS = {
+    "env": (("env",), 60),
+    "perf": (("decode", "int8", "int4"), 200),
+    "memory": (("memory",), 60),
+    "kv": (("kv",), 90),
+    "offload": (("offload",), 90),
+    "moe": (("moe",), 90),
+    "sampler": (("sampler",), 60),
+    "tp": (("tp",), 90),
+    "kernels": (("kernels",), 360),
+    "parity": (("parity",), 240),
+}
+SECTIONS = [name for sections, _ in GROUPS.values() for name in sections]
+TOGETHER = ("kernels", "parity")          # started at once: they mostly compile
+
+
+def env_rows(report: Report, device: str) -> None:
+    """Versions, the device, and whether the generated gRPC code can be used here."""
+    import torch
+    import triton
+
+    from pdserve.gpucheck_kv import proto_unavailable
+
+    versions = [f"torch {torch.__version__}", f"triton {triton.__version__}"]
+    for mod in ("transformers", "grpc", "google.protobuf", "numpy"):
+        try:
+            m = __import__(mod, fromlist=["__version__"])
+            versions.append(f"{mod.split('.')[-1]} {getattr(m, '__version__', '?')}")
+        except ImportError:
+            versions.append(f"{mod.split('.')[-1]} missing")
+    report.add("env", "versions", ", ".join(versions), "", True)
+    if device.startswith("cuda"):
+        props = torch.cuda.get_device_properties(torch.device(device))
+        report.add("env", "device", f"{props.name}, {props.total_memory / 2**30:.0f} GiB, "
+                   f"{props.multi_processor_count} SMs, sm_{props.major}{props.minor}", "", True)
+    why = proto_unavailable()
+    report.add("env", "grpc proto code", "importable" if why is None else f"skipped: {why}")
+
+
+def _run_group(group: str, args, report: Report) -> None:
+    """One group's sections in this process (the child of main's subprocess)."""
+    import torch
+
+    from pdserve import gpucheck_kv, gpucheck_offload
+
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        report.add(group, "error", "no CUDA device visible to torch", "", False)
+        return
+    steps: dict = {}            # bf16 decode steps, for the int8 rows
+    perf = decode_and_prefill
+    runs = {
+        "env": [lambda: env_rows(report, args.device)],
+        "kernels": [lambda: kernel_tests(report, args.device)] if not args.quick else [],
+        "parity": [lambda: parity(report, args.device, args.families.split(","), args.quick)],
+        "memory": [lambda: memory_sizing(report, args.device)] if cuda else [],
+        "decode": [lambda: perf(report, args.device, args.quick, steps)],
+        "int8": [lambda: perf(report, args.device, args.quick, steps, "int8")],
+        "int4": [lambda: perf(report, args.device, args.quick, steps, "w4a16")],
+        "moe": [lambda: moe_kernel(report, args.device, args.quick)] if cuda else [],
+        "tp": [lambda: tensor_parallel(report, args.device, args.quick)] if cuda else [],
+        "sampler": [lambda: sampler_check(report, args.device, args.quick)],
+        "kv": [lambda: gpucheck_kv.kv_roundtrip(report, args.device),
+               lambda: gpucheck_kv.run(report, args.device, args.quick)],
+        "offload": [lambda: gpucheck_offload.run(report, args.device, args.quick)],
+    }
+    skip = set(filter(None, args.skip.split(",")))
+    for section in GROUPS[group][0]:
+        if section in skip:
+            continue
+        for run in runs[section]:
+            try:
+                run()
+            except Exception as exc:            # a broken section is a failed row
+                import traceback
+                traceback.print_exc()
+                report.add(section, "error", f"{type(exc).__name__}: {exc}"[:300], "", False)
+
+
+def _child(group: str, argv: list[str], rows: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "pdserve.gpucheck", *argv, "--group", group, "--out",
+           str(rows)]
+    return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+def _wait(group: str, proc: subprocess.Popen, limit: float, report: Report) -> None:
+    try:
+        code = proc.wait(timeout=max(limit, 1.0))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        report.add(group, "timeout", f"killed after {limit:.0f} s (its rows above were kept)",
+                   "", False)
+        return
+    if code != 0:
+        report.add(group, "exit", f"the section's process exited with {code}", "", False)
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpucheck", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", help="torch device (cuda or cuda:N)")
@@ -382,57 +499,78 @@ def main(argv: list[str] | None = None) -> int:
                    help="tiny shapes, no targets, no kernel tests (a smoke test; runs on CPUs "
                         "with TRITON_INTERPRET=1)")
     p.add_argument("--families", default="llama,qwen2,qwen3", help="parity model families")
-    p.add_argument("--skip", default="", help="comma list of sections to skip: kernels, "
-                   "parity, memory, decode, int8, int4, moe, tp, sampler, kv, offload")
-    p.add_argument("--out", default=None, help="also write the rows as JSON here")
+    p.add_argument("--skip", default="", help="comma list of sections to skip: "
+                   + ", ".join(SECTIONS))
+    p.add_argument("--deadline", type=float, default=540.0, metavar="SECONDS",
+                   help="the whole check's time: each group of sections runs in its own "
+                        "process with its own timeout, cut to what is left; a group with no "
+                        "time left is not started (rows say so)")
+    p.add_argument("--out", default=None,
+                   help="append each row here as a JSON line the moment it is measured (a "
+                        "killed run keeps what it finished)")
+    p.add_argument("--group", default=None, choices=sorted(GROUPS), help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = _parser()
     args = p.parse_args(argv)
+    unknown = set(filter(None, args.skip.split(","))) - set(SECTIONS)
+    if unknown:
+        p.error(f"--skip: unknown section(s) {', '.join(sorted(unknown))}; known: "
+                f"{', '.join(SECTIONS)}")
     sys.path.insert(0, str(ROOT))
-    import torch
-
-    from pdserve import gpucheck_kv, gpucheck_offload
-
-    skip = set(filter(None, args.skip.split(",")))
-    report = Report()
-    cuda = args.device.startswith("cuda")
-    if cuda and not torch.cuda.is_available():
-        print("no CUDA device visible to torch", file=sys.stderr)
-        return 2
-    name = torch.cuda.get_device_name(torch.device(args.device)) if cuda else "cpu"
-    import triton
-    print(f"gpu-check on {name}: torch {torch.__version__}, triton {triton.__version__}",
-          flush=True)
+    if args.group is not None:                # a child: one group, rows appended to --out
+        _run_group(args.group, args, Report(out=Path(args.out) if args.out else None))
+        return 0
+    rows = Path(args.out) if args.out else Path(tempfile.mkdtemp()) / "rows.jsonl"
+    rows.parent.mkdir(parents=True, exist_ok=True)
+    rows.write_text("")
+    report = Report(out=rows)
+    child_argv = [a for a in _strip(argv, ("--out", "--deadline"))]
     t0 = time.perf_counter()
-    steps: dict = {}            # bf16 decode steps, for the int8 rows
-    perf = decode_and_prefill
-    sections = [("kernels", lambda: kernel_tests(report, args.device), not args.quick),
-                ("parity", lambda: parity(report, args.device, args.families.split(","),
-                                          args.quick), True),
-                ("memory", lambda: memory_sizing(report, args.device), cuda),
-                ("decode", lambda: perf(report, args.device, args.quick, steps), True),
-                ("int8", lambda: perf(report, args.device, args.quick, steps, "int8"), True),
-                ("int4", lambda: perf(report, args.device, args.quick, steps, "w4a16"), True),
-                ("moe", lambda: moe_kernel(report, args.device, args.quick), cuda),
-                ("tp", lambda: tensor_parallel(report, args.device, args.quick), cuda),
-                ("sampler", lambda: sampler_check(report, args.device, args.quick), True),
-                ("kv", lambda: gpucheck_kv.kv_roundtrip(report, args.device), True),
-                ("kv", lambda: gpucheck_kv.run(report, args.device, args.quick), True),
-                ("offload", lambda: gpucheck_offload.run(report, args.device, args.quick),
-                 True)]
-    for section, run, wanted in sections:
-        if not wanted or section in skip:
+    skip = set(filter(None, args.skip.split(",")))
+    print(f"gpu-check on {args.device}: groups {', '.join(GROUPS)}; deadline "
+          f"{args.deadline:.0f} s", flush=True)
+    together: list[tuple[str, subprocess.Popen, float]] = []
+    for group, (sections, limit) in GROUPS.items():
+        if set(sections) <= skip:
             continue
-        try:
-            run()
-        except Exception as exc:            # a broken section is a failed row, not a crash
-            import traceback
-            traceback.print_exc()
-            report.add(section, "error", f"{type(exc).__name__}: {exc}"[:300], "", False)
-    print(f"\ngpu-check summary ({name}, {time.perf_counter() - t0:.0f} s)\n")
+        left = args.deadline - (time.perf_counter() - t0)
+        if left < 5:
+            report.add(group, "not run", f"the --deadline of {args.deadline:.0f} s was spent",
+                       "", False)
+            continue
+        proc = _child(group, child_argv, rows)
+        if group in TOGETHER:
+            together.append((group, proc, min(limit, left)))
+            continue
+        _wait(group, proc, min(limit, left), report)
+    started = time.perf_counter()
+    for group, proc, limit in together:
+        _wait(group, proc, limit - (time.perf_counter() - started), report)
+    report.rows = [tuple(json.loads(line)) for line in rows.read_text().splitlines() if line]
+    print(f"\ngpu-check summary ({args.device}, {time.perf_counter() - t0:.0f} s)\n")
     print(report.table())
-    if args.out:
-        Path(args.out).write_text(json.dumps(report.rows, indent=1))
     print(f"\n{report.failed} failed" if report.failed else "\nall checks passed")
     return 1 if report.failed else 0
+
+
+def _strip(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """argv without `flags` and their values (either spelling)."""
+    out, skip_next = [], False
+    for a in argv:
+        if skip_next:
+            skip_next = False
+            continue
+        if a in flags:
+            skip_next = True
+            continue
+        if any(a.startswith(f + "=") for f in flags):
+            continue
+        out.append(a)
+    return out
 
 
 if __name__ == "__main__":

@@ -144,13 +144,31 @@ def kv_roundtrip(report, device: str) -> None:
         report.add("kv transfer", f"staging {str(dtype).split('.')[-1]}",
                    f"{len(ids)} blocks device->host->device "
                    f"{'intact' if ok else 'CORRUPTED'} (pinned: {send.pinned})", "intact", ok)
-    try:
-        import proto.pdserve_pb2  # noqa: F401
-    except ImportError:
-        report.add("kv transfer", "grpc transport", "skipped: proto code not generated here "
-                   "(needs grpcio-tools); the staging rows above are its device path")
+    why = proto_unavailable()
+    if why is not None:
+        report.add("kv transfer", "grpc transport", f"skipped: {why}; the staging rows above "
+                   "are its device path")
         return
     report.add("kv transfer", "grpc transport", *asyncio.run(_grpc_roundtrip(dev)))
+
+
+def proto_unavailable() -> str | None:
+    """Why the generated gRPC code cannot be used here (None: it can): not generated (a
+    device machine has no grpcio-tools: generate it with `python -m proto.build` where it is
+    installed and carry proto/*_pb2.py and proto/*_pb2_grpc.py), or generated for other
+    protobuf / grpcio versions than this machine's."""
+    try:
+        import proto.pdserve_pb2  # noqa: F401
+        import proto.pdserve_pb2_grpc  # noqa: F401
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.startswith("proto."):
+            return ("the proto code is not generated here (carry proto/*_pb2.py and "
+                    "proto/*_pb2_grpc.py from a machine that ran python -m proto.build)")
+        return f"{exc} (the proto code needs it)"
+    except Exception as exc:        # protobuf's VersionError, grpc's generated-code check
+        return (f"the generated proto code does not match this machine's protobuf / grpcio "
+                f"({type(exc).__name__}: {str(exc)[:160]}); regenerate it for these versions")
+    return None
 
 
 async def _grpc_roundtrip(dev):
@@ -270,11 +288,11 @@ def _ask(child: subprocess.Popen, command: str, reply: str | None = None) -> lis
 
 
 def torch_transport(report, device: str, quick: bool) -> None:
-    try:
-        import kvtransfer.torch_transport  # noqa: F401  (proto code, grpcio, torch.distributed)
-    except ImportError as exc:
-        report.add("kv transfer", "torch transport", f"skipped: {exc}")
+    why = proto_unavailable()
+    if why is not None:             # its handshake travels as proto messages over gRPC
+        report.add("kv transfer", "torch transport", f"skipped: {why}")
         return
+    import kvtransfer.torch_transport  # noqa: F401
     dev = torch.device(device)
     if dev.type == "cuda":
         first = dev.index or 0

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_gpu_check_quick_on_cpu(tmp_path):
-    out = tmp_path / "rows.json"
+    out = tmp_path / "rows.jsonl"
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-m", "pdserve.gpucheck", "--quick", "--device", "cpu",
                            "--families", "qwen3", "--out", str(out)], cwd=ROOT, env=env,
@@ -20,8 +20,9 @@ def test_gpu_check_quick_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     import json
 
-    rows = json.loads(out.read_text())
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
     checks = {(r[0], r[1]) for r in rows}
+    assert ("env", "versions") in checks and ("env", "grpc proto code") in checks
     assert ("parity", "qwen3 float32") in checks
     assert {("decode", "batch 1 ctx 32 eager"), ("prefill", "32-token prompt"),
             ("int8", "batch 1 ctx 32 eager"), ("int4", "batch 1 ctx 32 eager")} <= checks
@@ -33,6 +34,23 @@ def test_gpu_check_quick_on_cpu(tmp_path):
     parity = next(r for r in rows if r[0] == "parity")
     assert "greedy 12/12 same" in parity[2]
     assert "| section" in proc.stdout and "all checks passed" in proc.stdout
+
+
+def test_unknown_sections_are_refused_and_a_spent_deadline_says_so(tmp_path):
+    out = tmp_path / "rows.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "pdserve.gpucheck", "--quick", "--device", "cpu",
+                           "--skip", "decode,nonsense"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "unknown section(s) nonsense" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "pdserve.gpucheck", "--quick", "--device", "cpu",
+                           "--deadline", "0", "--out", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    import json
+
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    from pdserve.gpucheck import GROUPS
+    assert [r[0] for r in rows] == list(GROUPS) and all(r[1] == "not run" for r in rows)
+    assert proc.returncode == 1 and f"{len(GROUPS)} failed" in proc.stdout
 
 
 def test_make_target_runs_the_script_without_setup():
