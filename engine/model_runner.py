@@ -31,6 +31,7 @@ import torch
 from engine.attention.base import BatchLayout, BufferSizes, create_backend
 from engine.config import EngineConfig, ModelConfig, kv_bytes_per_block
 from engine.cuda_graphs import DecodeGraphs
+from engine.device_memory import DeviceMemory, MemorySnapshot, check_start, kv_budget
 from engine.layers import LayerOptions
 from engine.layers import quant_formats
 from engine.layers.linear import linear_method_for
@@ -85,6 +86,11 @@ class ModelRunner:
         self.tp = tp
         self.device = torch.device(cfg.device)
         self.bind_thread()
+        self.memory_start = None
+        if self.device.type == "cuda" and not cfg.num_blocks:   # before anything loads
+            self.memory = DeviceMemory(self.device)
+            self.memory_start = MemorySnapshot.take(self.memory)
+            check_start(self.memory_start, cfg.gpu_memory_utilization)
         self.dtype = cfg.torch_dtype
         m = local_config(model_cfg, tp)          # this rank's heads
         self.max_blocks = -(-cfg.max_model_len // cfg.block_size)
@@ -374,14 +380,16 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ KV pool sizing
     def _blocks_from_memory(self) -> int:
-        """CUDA: blocks that fit in gpu_memory_utilization x the device's memory after the
-        weights, the peak of a profiled step at the full token budget (forward, logits and
-        sampling of as many rows as a step samples) and the CUDA graphs' estimated pool."""
+        """CUDA: blocks that fit in gpu_memory_utilization x the device's memory after this
+        process's weights, the peak of a profiled step at the full token budget (forward,
+        logits and sampling of as many rows as a step samples), its memory outside torch and
+        the CUDA graphs' estimated pool (engine.device_memory: other processes' memory does not
+        count)."""
         if self.device.type != "cuda":
             raise ValueError("num_blocks must be given on CPUs (--kv-cache-gib or --num-blocks)")
         dev, cfg = self.device, self.cfg
-        torch.cuda.synchronize(dev)
-        torch.cuda.empty_cache()
+        self.memory.settle()
+        before = MemorySnapshot.take(self.memory)
         weights = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         m = self.local_cfg
@@ -396,10 +404,13 @@ class ModelRunner:
             self._profile_decode(kv, self.max_graph_batch)
             graph_reserve = torch.cuda.max_memory_allocated(dev) - base
         del kv
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(dev)
-        non_torch = total - free - torch.cuda.memory_reserved(dev)
-        budget = int(total * cfg.gpu_memory_utilization) - peak - non_torch - graph_reserve
+        self.memory.settle()
+        got = kv_budget(self.memory, before, cfg.gpu_memory_utilization, peak, graph_reserve)
+        budget, non_torch, total = got.kv_bytes, got.non_torch, before.total
+        if got.ignored:
+            log.info("the device's use grew %.2f GiB outside this process's torch memory while "
+                     "it profiled: another process's (not counted against this worker)",
+                     got.ignored / 2**30)
         per_block = kv_bytes_per_block(self.model_cfg, cfg)
         blocks = budget // per_block
         if self.tp.size > 1:                     # every rank holds as many blocks
