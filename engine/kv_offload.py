@@ -55,6 +55,7 @@ import torch
 
 from engine.block_hash import EVICTED, STORED
 from engine.kv_checksum import block_checksums
+from engine.pinned import pinned_empty
 
 log = logging.getLogger(__name__)
 
@@ -248,14 +249,14 @@ class _Tier:
 
 class HostTier(_Tier):
     """Blocks in host memory: one preallocated buffer of `capacity` blocks (page-locked when the
-    pool is on CUDA)."""
+    pool is on CUDA: registered, so exactly its bytes are locked; engine.pinned)."""
 
     name = "host"
 
     def __init__(self, block_shape: tuple[int, ...], dtype: torch.dtype, capacity: int,
                  pin: bool = False) -> None:
         super().__init__(capacity)
-        self.data = torch.empty((capacity, *block_shape), dtype=dtype, pin_memory=pin)
+        self.data = pinned_empty((capacity, *block_shape), dtype, pin)   # exactly its bytes
         self._free = list(range(capacity - 1, -1, -1))
 
     def put(self, block_hash: int, tokens: tuple[int, ...], checksum,

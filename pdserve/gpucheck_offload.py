@@ -90,6 +90,27 @@ def run(report, device: str, quick: bool) -> None:
                    f">= {TARGET_SHARE:.0%}, intact",
                    intact if quick or not cuda else intact and share >= TARGET_SHARE)
     race(report, kv, off, ids, into, want, cuda)
+    if cuda:
+        exact_pinning(report, kv)
+
+
+def exact_pinning(report, kv: torch.Tensor) -> None:
+    """A host tier of an odd size locks exactly its bytes (engine.pinned), outside torch's
+    pinned allocator (which would round it up to a power of two and keep it)."""
+    from engine.pinned import pinned_bytes
+
+    blocks = 300                                   # not a power of two of anything
+    per = kv[:, :, 0].numel() * kv.element_size()
+    stats = getattr(torch.cuda, "host_memory_stats", lambda: {})
+    before, cached = pinned_bytes(), stats().get("allocated_bytes.all.current", 0)
+    tier = _offload(kv, blocks)
+    locked = pinned_bytes() - before
+    grew = stats().get("allocated_bytes.all.current", 0) - cached
+    ok = locked == blocks * per and grew < blocks * per and tier.tiers[0].data.is_pinned()
+    report.add("kv offload", f"host tier of {blocks} blocks ({blocks * per / 2**20:.0f} MiB)",
+               f"{locked / 2**20:.0f} MiB page-locked by registration, torch's pinned "
+               f"allocator grew {grew / 2**20:.0f} MiB, is_pinned "
+               f"{tier.tiers[0].data.is_pinned()}", "exactly its bytes", ok)
 
 
 def race(report, kv: torch.Tensor, off, ids: list[int], into: list[int], want: torch.Tensor,

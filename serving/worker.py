@@ -111,6 +111,10 @@ def build_engine(args, role: str):
              cfg.max_num_seqs, torch.get_num_threads(),
              f" per rank, tensor parallel {cfg.tensor_parallel_size}"
              if cfg.tensor_parallel_size > 1 else "")
+    from engine.pinned import pinned_bytes
+    if pinned_bytes():
+        log.info("page-locked host memory: %.2f GiB (exactly the KV offload tier's)",
+                 pinned_bytes() / 2**30)
     if model_cfg.moe is not None:
         log.info("%s", moe_shape(model_cfg, cfg, engine.model))
         for m in engine.model.modules():      # the start's profiling and warm-up passes

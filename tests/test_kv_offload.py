@@ -460,3 +460,16 @@ def test_a_worker_killed_mid_store_leaves_a_consistent_disk_tier(tmp_path):
     assert again.disk.stats.ignored_files == 0
     run_ = [(h, again.disk, again.disk.index[h]) for h in found]
     assert again.restore(run_, list(range(len(found)))) == len(found)   # every one intact
+
+
+def test_pinned_empty_is_plain_memory_without_cuda_and_counts_nothing():
+    """engine.pinned registers exactly the bytes asked for on CUDA hosts (the GPU check's
+    `kv offload` row); without CUDA it is ordinary memory and nothing is locked."""
+    import torch
+
+    from engine.pinned import pinned_bytes, pinned_empty
+
+    before = pinned_bytes()
+    t = pinned_empty((3, 5), torch.float16)
+    assert t.shape == (3, 5) and t.dtype == torch.float16 and t.device.type == "cpu"
+    assert pinned_bytes() == before and (torch.cuda.is_available() or not t.is_pinned())
