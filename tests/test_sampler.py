@@ -111,3 +111,20 @@ def test_uniform_is_a_pure_function_of_seed_index_and_stream():
     assert len(values) == 800 and all(0.0 <= u < 1.0 for u in values)
     mean = sum(values) / len(values)
     assert abs(mean - 0.5) < 0.03
+
+
+def test_draw_rows_is_draw_of_each_row():
+    """The draft proposer draws a whole step's rows on the device (one transfer): the same
+    tokens as one `draw` per row, a u of 1.0 (rounds up to the total) and zero-mass tails
+    included."""
+    import torch
+
+    from engine.sampler import draw, draw_rows
+
+    g = torch.Generator().manual_seed(4)
+    probs = torch.rand(6, 50, generator=g)
+    probs[2, 30:] = 0.0
+    probs[4, :] = 0.0
+    probs[4, 7] = 1.0
+    us = [0.0, 0.3, 1.0, 0.999999999, 0.5, 0.71]
+    assert draw_rows(probs, us).tolist() == [draw(probs[r], u) for r, u in enumerate(us)]

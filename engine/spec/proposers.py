@@ -34,7 +34,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner, StepInputs
 from engine.request import Request
-from engine.sampler import draw, sampling_probs, uniform
+from engine.sampler import draw_rows, sampling_probs, uniform
 
 _DRAFT_SEED_SALT = 0x5EED_D4AF7
 
@@ -147,12 +147,21 @@ class DraftProposer(Proposer):
         return self.runner.execute(inputs).logits
 
     @staticmethod
-    def _pick(logits: torch.Tensor, req: Request, index: int) -> tuple[int, torch.Tensor | None]:
-        p = req.params
-        if p.greedy:
-            return int(torch.argmax(logits)), None
-        q = sampling_probs(logits, p)
-        return draw(q, uniform(p.seed ^ _DRAFT_SEED_SALT, index)), q
+    def _pick(logits: torch.Tensor, reqs: list[Request], indices: list[int]
+              ) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Each row's draft token (greedy, or drawn from its sampling distribution at its own
+        uniform number) and that distribution (None when greedy): the whole step's tokens come
+        to the host in one transfer."""
+        tok = logits.argmax(-1)                                          # [R]
+        qs: list[torch.Tensor | None] = [None] * len(reqs)
+        drawn = [r for r, req in enumerate(reqs) if not req.params.greedy]
+        if drawn:
+            for r in drawn:
+                qs[r] = sampling_probs(logits[r], reqs[r].params)
+            us = [uniform(reqs[r].params.seed ^ _DRAFT_SEED_SALT, indices[r]) for r in drawn]
+            rows = torch.tensor(drawn, device=logits.device)
+            tok = tok.index_copy(0, rows, draw_rows(torch.stack([qs[r] for r in drawn]), us))
+        return tok.tolist(), qs
 
     def propose(self, reqs: list[Request], ks: list[int]) -> list[Proposal]:
         props = [Proposal([]) for _ in reqs]
@@ -175,8 +184,10 @@ class DraftProposer(Proposer):
             return props
         logits = self._forward(ids, tables, starts, q_lens)
         probs: dict[int, list[torch.Tensor]] = {i: [] for i in live}
+        toks, qs = self._pick(logits, [reqs[i] for i in live],
+                              [len(reqs[i].output_token_ids) for i in live])
         for row, i in enumerate(live):
-            tok, q = self._pick(logits[row], reqs[i], len(reqs[i].output_token_ids))
+            tok, q = toks[row], qs[row]
             props[i].tokens.append(tok)
             if q is not None:
                 probs[i].append(q)
@@ -193,9 +204,11 @@ class DraftProposer(Proposer):
                 tables.append(list(self.kv_manager.block_table(req.request_id)))
                 starts.append(p)
             logits = self._forward(ids, tables, starts, [1] * len(step))
+            toks, qs = self._pick(logits, [reqs[i] for i in step],
+                                  [len(reqs[i].output_token_ids) + j for i in step])
             for row, i in enumerate(step):
                 req = reqs[i]
-                tok, q = self._pick(logits[row], req, len(req.output_token_ids) + j)
+                tok, q = toks[row], qs[row]
                 props[i].tokens.append(tok)
                 if q is not None:
                     probs[i].append(q)
