@@ -109,8 +109,9 @@ class ModelRunner:
         method = cfg.linear_method
         opts = LayerOptions(self.backend,
                             linear_method_for(self.device, self.dtype, quant, method), tp,
+                            # lm_head stays in the model's precision (as vLLM keeps it)
                             head=linear_method_for(self.device, self.dtype, "none", method)
-                            if self.quant_scheme else None,
+                            if self.quant_scheme or quant == "int8" else None,
                             expert_parallel=cfg.expert_parallel, moe_backend=cfg.moe_backend)
         self.local_cfg, m_full = m, model_cfg
         if model is not None:

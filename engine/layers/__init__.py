@@ -18,7 +18,7 @@ class LayerOptions:
     attention: AttentionBackend     # also decides the norms' and activation's kernels
     linear: LinearMethod
     tp: TPGroup = SINGLE            # this rank's tensor-parallel group (engine.parallel)
-    head: LinearMethod | None = None   # lm_head's, when not `linear` (pre-quantized: dense)
+    head: LinearMethod | None = None   # lm_head's, when not `linear` (quantized models: dense)
     expert_parallel: bool = False   # MoE experts split whole over the ranks (engine.layers.moe)
     moe_backend: str = "auto"       # engine.layers.moe.MOE_BACKENDS
 
