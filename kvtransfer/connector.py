@@ -3,7 +3,9 @@
 The scheduler side (engine.kv_connector, through the Engine's load API) decides which blocks a
 transfer holds; this side moves bytes and touches the pool only on the engine thread, in commands the AsyncEngine runs between steps:
 
-- `write(request_id, block_ids, data)`: the copy into the pool runs only while the connector
+- `write(request_id, block_ids, data)`: on CUDA the received bytes are first copied into
+  page-locked memory on a worker thread (kvtransfer.staging: `stage`), so the engine thread only
+  queues the device copy and the index; the copy into the pool runs only while the connector
   says the blocks are still the request's to receive (an abort that came first wins: its blocks
   may already be another request's). No pins: the engine thread cannot free a block while it
   copies into it.
@@ -90,12 +92,21 @@ class EngineSink:
         ids = list(block_ids)
         pool = self.engine.kv
         nbytes = data.numel() * data.element_size()
+        staged = None
+        if self.staging.pinned and isinstance(pool, torch.Tensor):
+            # the bytes go into page-locked memory here, off the loop and the engine thread
+            staged = await asyncio.to_thread(self.staging.stage, data)
 
         def run() -> None:
             if not self.engine.is_loading(request_id, ids):
+                if staged is not None:
+                    self.staging.release(staged)
                 return
             try:
-                self.staging.write_blocks(pool, ids, data, ready)
+                if staged is not None:            # only the device copy and the index
+                    self.staging.write_staged(pool, ids, staged)
+                else:
+                    self.staging.write_blocks(pool, ids, data, ready)
             except RankFailure:              # tensor parallel: the engine stops
                 raise
             except Exception as exc:     # the request must not run on KV that is not there

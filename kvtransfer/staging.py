@@ -18,10 +18,13 @@ Device -> host (sender), in two halves, so that the thread owning the pool only 
   page-locked buffer, or over the gathered copy itself: no further copy) and the checksums; the
   buffer goes back when the block ends.
 
-Host -> device (receiver): `HostStaging.write_blocks(pool, block_ids, data, ready)` copies host
-data into a buffer (page-locked on CUDA), from there asynchronously to the pool's device, and
-indexes it into the pool, all on the current stream: engine work queued on that stream afterwards
-sees the blocks. The buffer is not written again before an event recorded after that copy has
+Host -> device (receiver), in two halves on CUDA, so that the engine thread does no copy of the
+bytes: `HostStaging.stage(data)`, on the receiving side's own thread, copies the received host
+data into a page-locked buffer; `write_staged(pool, block_ids, staged)`, on the engine thread,
+only queues its asynchronous copy to the device and the index into the pool, on the current
+stream: engine work queued on that stream afterwards sees the blocks. `write_blocks(pool,
+block_ids, data, ready)` is both in one call (CPU pools, where the copy into the pool is the
+write, and data already on a device). The buffer is not written again before an event recorded after that copy has
 completed. Data already on a device (an NCCL receive, on the receiving thread's own stream) goes
 into the pool directly, once the current stream has waited for its `ready` event.
 
@@ -110,6 +113,14 @@ class _Buffer:
         """The buffer's head as a tensor of like's dtype and shape."""
         nbytes = like.numel() * like.element_size()
         return self.data[:nbytes].view(like.dtype).view(like.shape)
+
+
+@dataclass(eq=False)
+class Staged:
+    """Received blocks in a page-locked buffer, waiting for the engine thread's device copy."""
+
+    buffer: _Buffer
+    host: torch.Tensor          # the buffer's head, shaped as the data
 
 
 @dataclass(eq=False)
@@ -207,6 +218,28 @@ class HostStaging:
         on_host in one call: blocks until the copy is on the host)."""
         with self.gather(kv, block_ids).on_host() as (data, _):
             return data.numpy().tobytes()
+
+    def stage(self, data: torch.Tensor) -> "Staged | None":
+        """Received host `data` in a page-locked buffer, for `write_staged` (CUDA; None where
+        there is nothing to stage: a CPU staging, device data). Any thread but the engine's."""
+        if not self.pinned or data.device.type != "cpu":
+            return None
+        with torch.cuda.device(self.device):
+            buf = self._take(data.numel() * data.element_size())
+        host = buf.view(data)
+        host.copy_(data)
+        return Staged(buf, host)
+
+    def write_staged(self, pool: torch.Tensor, block_ids: list[int], staged: "Staged") -> None:
+        """pool[:, :, block_ids] = the staged data: an asynchronous copy and an index, queued on
+        the current stream (the engine thread's only part of a received block)."""
+        index = host_to_device(torch.tensor(block_ids, dtype=torch.long), pool.device)
+        pool.index_copy_(2, index, staged.host.to(pool.device, non_blocking=True))
+        self._give_back(staged.buffer, recorded(self.device))
+
+    def release(self, staged: "Staged") -> None:
+        """A staged buffer whose write did not happen (the load ended first)."""
+        self._give_back(staged.buffer)
 
     def write_blocks(self, pool: torch.Tensor, block_ids: list[int], data: torch.Tensor,
                      ready=None) -> None:
