@@ -7,7 +7,7 @@ device, generated for its protobuf and grpcio; without them, or for other versio
 say why they skip. Each group of sections (GROUPS, in the order that learns the most first:
 versions, decode and prefill, memory, KV, MoE, sampler, TP, then the kernel and parity tests,
 which mostly compile and run at once) runs in its own process with its own timeout, cut to what
-`--deadline` leaves (540 s by default: one short run on a borrowed GPU); each row is appended
+`--deadline` leaves (450 s by default: one short run on a borrowed GPU); each row is appended
 to `--out` as a JSON line when measured, so a killed run keeps what it finished. Prints one
 summary table:
 
@@ -501,7 +501,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--families", default="llama,qwen2,qwen3", help="parity model families")
     p.add_argument("--skip", default="", help="comma list of sections to skip: "
                    + ", ".join(SECTIONS))
-    p.add_argument("--deadline", type=float, default=540.0, metavar="SECONDS",
+    p.add_argument("--deadline", type=float, default=450.0, metavar="SECONDS",
                    help="the whole check's time: each group of sections runs in its own "
                         "process with its own timeout, cut to what is left; a group with no "
                         "time left is not started (rows say so)")
@@ -528,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
     rows.parent.mkdir(parents=True, exist_ok=True)
     rows.write_text("")
     report = Report(out=rows)
-    child_argv = [a for a in _strip(argv, ("--out", "--deadline"))]
+    child_argv = _strip(argv, ("--out", "--deadline"))
     t0 = time.perf_counter()
     skip = set(filter(None, args.skip.split(",")))
     print(f"gpu-check on {args.device}: groups {', '.join(GROUPS)}; deadline "

@@ -214,7 +214,8 @@ class DecoderLM(nn.Module):
         return name, None
 
     def init_buffers(self, device: str | torch.device) -> None:
-        self.rotary.init_buffers(device)
+        """Rebuild every layer's non-persistent buffers (rotary, partial-rotary orders, MoE
+        counts) after the model was built on the meta device."""
         for m in self.modules():
             if m is not self and hasattr(m, "init_buffers"):
                 m.init_buffers(device)
