@@ -7,7 +7,9 @@ request draws its uniform number from a counter-based hash of those (`uniform`, 
 host in a few integer operations and staged with the step's inputs). The same request therefore
 gives the same tokens whichever worker samples it, whatever else shares its batch, and after
 preemption. A token is drawn by inverting the CDF of its distribution (summed in float64, so
-each token keeps its probability to ~1e-16) at that number.
+each token keeps its probability to ~1e-16) at that number. Top-p finds its nucleus among
+each row's most likely candidates without sorting the vocabulary (`filter_rows`), and the CDF
+is then summed over those candidates only.
 
 `Sampler` is the device path: every sampled row of a step in one batched call (processing,
 greedy rows, temperature, min-p, top-k and top-p per row), the chosen tokens and their logprobs
@@ -48,22 +50,96 @@ def uniform(seed: int, index: int, stream: int = 0) -> float:
     return (z >> 11) * (1.0 / (1 << 53))
 
 
+# top-p looks for the nucleus among each row's CANDIDATES most likely tokens first (a partial
+# top-k, no full-vocabulary sort); rows whose nucleus reaches past them are sorted in full.
+CANDIDATES = 256
+
+
+def _keep_prefix(x: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor, n: torch.Tensor
+                 ) -> torch.Tensor:
+    """x [R, V] with all but each row's n[r] most likely tokens set to -inf, given candidates
+    vals/ids [R, C] sorted by value (descending; ties in any order) holding them. Among tokens
+    tied at the last kept value, the lowest ids stay (what a stable descending sort keeps)."""
+    last = vals.gather(1, (n - 1)[:, None])                              # [R, 1]
+    tied = vals == last
+    m = n[:, None] - (vals > last).sum(-1, keepdim=True)                 # tied tokens kept
+    # the m-th smallest id among the tied candidates bounds the ones kept
+    tied_ids = torch.where(tied, ids, torch.iinfo(ids.dtype).max).sort(-1).values
+    id_cap = tied_ids.gather(1, (m - 1).clamp(min=0))
+    keep = (vals > last) | (tied & (ids <= id_cap))
+    out = torch.full_like(x, float("-inf"))
+    return out.scatter(1, ids, torch.where(keep, vals, float("-inf")))
+
+
+def filter_rows(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                min_p: torch.Tensor | None, max_top_k: int, any_top_p: bool,
+                drawn: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [R, V] (temperature applied) with entries outside min-p, top-k and the top-p nucleus
+    set to -inf, in that order; per row top_k (0: off), top_p (1: off), min_p (0: off).
+
+    Top-p keeps a token while the probability mass of the tokens ranked above it is below
+    top_p (the first always stays; ties ranked by id). It is decided on the CANDIDATES (or
+    max_top_k) most likely tokens where the nucleus ends within them, which is every row of a
+    peaked distribution, and on a full sort of the rows where it does not.
+
+    Also returns the candidate ids [R, C] when every `drawn` row keeps nothing outside them,
+    so the draw can sum over C tokens instead of the vocabulary (else None). One host sync at
+    most (whether any row spills, whether the candidates hold every drawn row)."""
+    v = x.shape[-1]
+    if min_p is not None:
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
+    if not (max_top_k or any_top_p):
+        return x, None
+    c = min(v, max(max_top_k, CANDIDATES))
+    vals, ids = x.topk(c, dim=-1)                                        # [R, C] descending
+    bounded = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+    if max_top_k:
+        k = top_k.long()
+        kth = vals.gather(1, (k.clamp(max=v) - 1).clamp(min=0, max=c - 1)[:, None])
+        cut = ((k > 0) & (k < v))[:, None]
+        x = x.masked_fill(cut & (x < kth), float("-inf"))
+        vals = vals.masked_fill(cut & (vals < kth), float("-inf"))
+        # a row keeps only candidates unless tokens tied with its k-th reach past them
+        bounded = (k > 0) & ((vals[:, -1] < kth[:, 0]) | (c == v))
+    if not any_top_p:
+        return x, _if_holding(ids, bounded, drawn)
+    on = top_p < 1.0
+    p = x.softmax(-1).gather(1, ids)                                     # [R, C]
+    before = p.cumsum(-1) - p                     # mass ranked above each candidate
+    n = (before < top_p[:, None]).sum(-1).clamp(min=1)                   # kept among them
+    last = vals.gather(1, (n - 1)[:, None])[:, 0]
+    # decided on the candidates when the last one is dropped and no tie reaches past them
+    # (or top-k already leaves nothing outside them)
+    fits = bounded | ((before[:, -1] >= top_p) & (vals[:, -1] < last)) | (c == v)
+    x = torch.where((on & fits)[:, None], _keep_prefix(x, vals, ids, n), x)
+    spill = on & ~fits
+    bounded = bounded | (on & fits)
+    holds = (bounded | ~drawn).all() if drawn is not None else torch.zeros_like(on[0])
+    any_spill, holds = torch.stack([spill.any(), holds]).tolist()
+    if any_spill:
+        rows = spill.nonzero()[:, 0]
+        xs = x[rows]
+        svals, sids = xs.sort(dim=-1, descending=True, stable=True)
+        sp = xs.softmax(-1).gather(1, sids)
+        sn = ((sp.cumsum(-1) - sp) < top_p[rows, None]).sum(-1).clamp(min=1)
+        x = x.index_copy(0, rows, _keep_prefix(xs, svals, sids, sn))
+    return x, ids if holds else None
+
+
+def _if_holding(ids: torch.Tensor, bounded: torch.Tensor, drawn: torch.Tensor | None
+                ) -> torch.Tensor | None:
+    return ids if drawn is not None and bool((bounded | ~drawn).all()) else None
+
+
 def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
-    """logits [V] (temperature applied) with entries outside min-p, top-k and the top-p nucleus
-    set to -inf, in that order."""
-    if min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, stable=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token when the mass before it already reaches top_p (the first always stays)
-        drop = (probs.cumsum(-1) - probs) >= top_p
-        logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
-    return logits
+    """logits [V] (temperature applied) filtered as one row of `filter_rows`."""
+    one = lambda val, dt: torch.tensor([val], dtype=dt, device=logits.device)  # noqa: E731
+    x, _ = filter_rows(logits[None], one(top_k, torch.int32), one(top_p, torch.float32),
+                          one(min_p, torch.float32) if min_p > 0.0 else None,
+                          max(top_k, 0), top_p < 1.0)
+    return x[0]
 
 
 def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -337,26 +413,22 @@ def sample_tensors(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch
         v = logits.shape[-1]
         drawn = temperature > 0
         x = x / torch.where(drawn, temperature, 1.0)[:, None]            # [R, V]
-        if plan.any_min_p and min_p is not None:
-            probs = x.softmax(-1)
-            x = x.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True),
-                              float("-inf"))
-        if plan.max_top_k:
-            k = top_k.clamp(max=v).long()                                # 0: off
-            vals = x.topk(min(plan.max_top_k, v), dim=-1).values         # [R, max_k]
-            kth = vals.gather(1, (k - 1).clamp(min=0, max=vals.shape[1] - 1)[:, None])
-            x = x.masked_fill((k[:, None] > 0) & (k[:, None] < v) & (x < kth), float("-inf"))
-        if plan.any_top_p:
-            sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
-            probs = sorted_x.softmax(-1)
-            drop = ((probs.cumsum(-1) - probs) >= top_p[:, None]) & (top_p < 1.0)[:, None]
-            x = x.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-        cdf = x.softmax(-1).to(torch.float64).cumsum(-1)                 # [R, V]
+        x, ids = filter_rows(x, top_k, top_p, min_p if plan.any_min_p else None,
+                             plan.max_top_k, plan.any_top_p, drawn)
+        probs = x.softmax(-1)
+        if ids is not None:
+            # every drawn row keeps only candidates: the CDF over them, in id order, is the
+            # vocabulary's at those ids (the tokens between add exactly zero)
+            ids = ids.sort(-1).values
+            probs = probs.gather(1, ids)
+        cdf = probs.to(torch.float64).cumsum(-1)                         # [R, V or C]
         total = cdf[:, -1:].contiguous()
         i = torch.searchsorted(cdf, u[:, None] * total, right=True)     # [R, 1]
         last = torch.searchsorted(cdf, total, right=False)               # last token with mass
-        i = torch.where(i >= v, last, i).squeeze(1)
-        tok = torch.where(drawn, i, tok)
+        i = torch.where(i >= cdf.shape[-1], last, i)
+        if cdf.shape[-1] < v:
+            i = ids.gather(1, i)
+        tok = torch.where(drawn, i.squeeze(1), tok)
     cols = [tok.to(torch.float64)[:, None]]
     if plan.any_logprobs:
         lp = logits.log_softmax(-1)

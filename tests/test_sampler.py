@@ -128,3 +128,65 @@ def test_draw_rows_is_draw_of_each_row():
     probs[4, 7] = 1.0
     us = [0.0, 0.3, 1.0, 0.999999999, 0.5, 0.71]
     assert draw_rows(probs, us).tolist() == [draw(probs[r], u) for r, u in enumerate(us)]
+
+
+def _sorted_reference(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The definition top-p is held to: a stable descending sort of the whole row, a token
+    dropped once the mass ranked above it reaches top_p."""
+    if 0 < top_k < x.shape[-1]:
+        x = x.masked_fill(x < torch.topk(x, top_k).values[-1], float("-inf"))
+    if top_p < 1.0:
+        probs = x.softmax(-1)
+        order = x.sort(descending=True, stable=True).indices
+        p = probs[order]
+        drop = (p.cumsum(-1) - p) >= top_p
+        x = x.masked_fill(drop.scatter(0, order, drop), float("-inf"))
+    return x
+
+
+def test_top_p_without_a_full_sort_keeps_the_sorted_nucleus_and_draws():
+    """Top-p is decided on each row's most likely candidates where its nucleus ends among
+    them, and by a full sort where it does not (flat rows, ties reaching past the candidates):
+    the kept tokens and the drawn tokens are those of the full stable sort in every case,
+    batched or alone."""
+    from engine.sampler import CANDIDATES, sampling_probs
+
+    g = torch.Generator().manual_seed(11)
+    v = 4 * CANDIDATES
+    rows = [torch.randn(v, generator=g) * 6,                     # peaked: fits the candidates
+            torch.randn(v, generator=g) * 0.3,                   # flat: the nucleus spills
+            torch.randint(0, 3, (v,), generator=g).float() * 4,  # ties at the boundary, spill
+            torch.randint(0, 40, (v,), generator=g).float(),     # ties among the candidates
+            torch.randn(v, generator=g) * 6,
+            torch.randn(v, generator=g) * 6,
+            torch.randn(v, generator=g) * 0.3]
+    rows[3][:5] = 60.0                                           # five tied leaders
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=1),
+              SamplingParams(temperature=1.0, top_p=0.9, seed=2),
+              SamplingParams(temperature=1.0, top_p=0.5, seed=3),
+              SamplingParams(temperature=1.0, top_p=0.5, seed=4),
+              SamplingParams(temperature=0.8, top_k=50, top_p=0.999, seed=5),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=1.2, top_k=CANDIDATES + 9, top_p=0.95, seed=6)]
+    logits = torch.stack(rows)
+    for row, p in enumerate(params):
+        if p.greedy:
+            continue
+        x = logits[row] / p.temperature
+        want = _sorted_reference(x, p.top_k, p.top_p)
+        got = _filter(x, p.top_k, p.top_p)
+        assert torch.equal(torch.isinf(got), torch.isinf(want)), row
+    kept_tied = ~torch.isinf(_filter(logits[3], 0, 0.5))
+    # 0.2 each: three leaders cover 0.5, and among ties the lowest ids stay
+    assert kept_tied[:5].tolist() == [True, True, True, False, False] and kept_tied.sum() == 3
+    for index in range(40):
+        toks, _ = sample(logits, params, [index] * len(params))
+        for row, (p, tok) in enumerate(zip(params, toks)):
+            if p.greedy:
+                assert tok == int(logits[row].argmax())
+                continue
+            ref = _sorted_reference(logits[row] / p.temperature, p.top_k, p.top_p)
+            assert tok == draw(ref.softmax(-1), uniform(p.seed, index)), (row, index)
+            assert tok == draw(sampling_probs(logits[row], p), uniform(p.seed, index))
+            # alone, a row held by its candidates draws from their CDF only: the same token
+            assert sample(logits[row:row + 1], [p], [index])[0] == [tok]
