@@ -48,10 +48,14 @@ class PromptRows:
 
 
 class BatchBuilder:
-    """`block_table(request_id)`: the request's blocks (the KV cache manager's)."""
+    """`block_table(request_id)`: the request's blocks (the KV cache manager's);
+    `table_id(request_id)`: the id that table lives under (None: tables are not named, and a
+    backend uploads each whole every step)."""
 
-    def __init__(self, block_table: Callable[[str], list[int]], vocab_size: int) -> None:
+    def __init__(self, block_table: Callable[[str], list[int]], vocab_size: int,
+                 table_id: Callable[[str], int | None] | None = None) -> None:
         self.block_table = block_table
+        self.table_id = table_id
         self.masks = GrammarMasks(vocab_size)
 
     def inputs(self, sched: SchedulerOutput, proposals: dict) -> StepInputs:
@@ -59,6 +63,7 @@ class BatchBuilder:
         sequence's layout, and the rows [S] whose logits are sampled (the last position, and
         each proposal's) with how each is sampled."""
         ids, tables, starts, q_lens, sample_rows, rows = [], [], [], [], [], []
+        table_ids: list[int | None] | None = [] if self.table_id is not None else None
         grammar_rows: list[tuple[Request, int, int]] = []    # (request, first row, proposals)
         prompt = PromptRows()
         for s in sched.scheduled:
@@ -68,6 +73,8 @@ class BatchBuilder:
                 prompt.add(req, len(ids), start, end)
             ids.extend(req.token_ids_between(start, end, with_spec=bool(s.num_spec)))
             tables.append(self.block_table(req.request_id))
+            if table_ids is not None:
+                table_ids.append(self.table_id(req.request_id))
             starts.append(start)
             q_lens.append(s.num_new_tokens)
             if s.sample:
@@ -85,7 +92,8 @@ class BatchBuilder:
                 for j in range(first, first + 1 + k):      # min_tokens yields to the end
                     if req.structured_state.allows_only_end(bitmask, j):
                         rows[j] = replace(rows[j], grammar_ends=True)
-        return StepInputs(ids, BatchLayout(tables, starts, q_lens), sample_rows, rows, bitmask,
+        return StepInputs(ids, BatchLayout(tables, starts, q_lens, table_ids), sample_rows,
+                          rows, bitmask,
                           prompt.rows, prompt.targets, prompt.top, prompt.owners)
 
     @staticmethod

@@ -97,7 +97,8 @@ class Engine:
         self.last_step: StepStats | None = None
         self.proposer, self.spec = self._speculation(draft_model)
         self._proposals: dict[str, Proposal] = {}    # this step's, by request id
-        self.batch = BatchBuilder(self.kv_manager.block_table, m.vocab_size)
+        self.batch = BatchBuilder(self.kv_manager.block_table, m.vocab_size,
+                                  self.kv_manager.table_id)
         self._timed: dict[str, Request] = {}         # requests with a Timeline, until they end
 
     def _offload(self) -> KVOffload:

@@ -57,6 +57,11 @@ class KVCacheManager:
         self.block_size = block_size
         self.hasher = hasher
         self._tables: dict[str, list[int]] = {}
+        # each table's id for as long as it lives (a table only grows under it; a new table
+        # of the same request, after preemption, gets a new one): attention backends keep
+        # tables on the device by it (engine.attention.block_tables)
+        self._table_ids: dict[str, int] = {}
+        self._next_table_id = 0
         self._copies: list[tuple[int, int]] = []   # (src, dst) of forks, not copied yet
         self.query_tokens = 0       # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0         # of which found cached
@@ -69,6 +74,16 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 
+    def table_id(self, request_id: str) -> int | None:
+        """The id of the request's table (None: it has none)."""
+        return self._table_ids.get(request_id)
+
+    def _new_table(self, request_id: str, blocks: list[int]) -> list[int]:
+        self._tables[request_id] = blocks
+        self._table_ids[request_id] = self._next_table_id
+        self._next_table_id += 1
+        return blocks
+
     def can_allocate(self, request_id: str, num_tokens: int) -> bool:
         extra = self.blocks_needed(num_tokens) - len(self.block_table(request_id))
         return extra <= self.pool.num_free
@@ -78,7 +93,9 @@ class KVCacheManager:
         """Grow the request's table to hold num_tokens tokens, starting a new table with the
         cached `prefix` blocks. Returns the new blocks, or None (and changes nothing) when the
         pool cannot supply them."""
-        table = self._tables.setdefault(request_id, [])
+        table = self._tables.get(request_id)
+        if table is None:
+            table = self._new_table(request_id, [])
         prefix = prefix or []
         if prefix and table:
             raise RuntimeError(f"request {request_id}: a cached prefix for a non-empty table")
@@ -86,7 +103,7 @@ class KVCacheManager:
         idle = sum(1 for b in prefix if self.pool.ref_count(b) == 0)   # taken off the free queue
         if max(extra, 0) + idle > self.pool.num_free:
             if not table:
-                del self._tables[request_id]
+                del self._tables[request_id], self._table_ids[request_id]
             return None
         self.pool.take(prefix)
         table.extend(prefix)
@@ -109,7 +126,7 @@ class KVCacheManager:
         shared = parent[:num_shared]
         self.pool.take(shared)
         (new,) = self.pool.allocate(1)
-        self._tables[child_id] = shared + [new]
+        self._new_table(child_id, shared + [new])
         src = parent[num_shared]
         self.pool.take([src, new])            # the copy's references
         self._copies.append((src, new))
@@ -122,7 +139,7 @@ class KVCacheManager:
             raise RuntimeError(f"request {child_id} already has blocks")
         shared = self._tables[parent_id][:num_blocks]
         self.pool.take(shared)
-        self._tables[child_id] = list(shared)
+        self._new_table(child_id, list(shared))
 
     @property
     def pending_copies(self) -> list[tuple[int, int]]:
@@ -144,6 +161,7 @@ class KVCacheManager:
         if request_id in self._restoring:
             self._finish_restore(request_id)
         table = self._tables.pop(request_id, None)
+        self._table_ids.pop(request_id, None)
         if table:
             self.pool.free(table)
 

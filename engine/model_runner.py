@@ -148,9 +148,9 @@ class ModelRunner:
         regions = [("input_ids", sizes.max_tokens, i32), ("positions", sizes.max_tokens, i32),
                    ("sample_rows", sizes.max_tokens, i32)]
         regions += self.backend.regions(sizes) + Sampler.regions(sizes.max_tokens)
-        tables = self.backend.block_table_region(sizes)
-        if tables is not None:
-            regions.append(tables)
+        tail = self.backend.tail_region(sizes)
+        if tail is not None:
+            regions.append(tail)
         return StepBuffers(regions, self.device)
 
     def _buffers_for(self, num_tokens: int, num_seqs: int) -> StepBuffers:
@@ -177,19 +177,21 @@ class ModelRunner:
         h["input_ids"][t:rows] = 0
         h["positions"][t:rows] = 0
 
-    def _upload(self, buf: StepBuffers, num_seqs: int) -> None:
-        tables = self.backend.block_table_region(self.sizes)
-        if tables is None:
+    def _upload(self, buf: StepBuffers, meta) -> None:
+        """The step's one H2D copy, then the backend's device-side setup."""
+        tail = self.backend.tail_region(self.sizes)
+        if tail is None:
             buf.upload()
         else:
-            buf.upload(tables[0], num_seqs * self.max_blocks)
+            buf.upload(tail[0], self.backend.staged(meta))
+        self.backend.prepare(meta)
 
     def stage_empty_decode(self, rows: int):
         """Stage a decode step of `rows` padding sequences (graph capture); its metadata."""
         batch = BatchLayout([], [], [])
         self._stage_tokens(self.buffers, [], batch, rows)
         meta = self.backend.build(batch, self.buffers, pad_to=rows)
-        self._upload(self.buffers, rows)
+        self._upload(self.buffers, meta)
         return meta
 
     # ------------------------------------------------------------------ one step
@@ -234,7 +236,7 @@ class ModelRunner:
             buf.host["sample_rows"][:s] = inp.sample_rows
         plan = self.sampler.stage(inp.sampling, buf.host, inp.bitmask)
         meta = self.backend.build(batch, buf, pad_to=bucket)
-        self._upload(buf, bucket or b)                  # the step's one H2D copy
+        self._upload(buf, meta)                         # the step's one H2D copy
         with torch.inference_mode():
             if bucket is not None:
                 hidden = self.graphs.replay(bucket)                      # [bucket, hidden]
@@ -449,10 +451,12 @@ class ModelRunner:
                          [RowSampling(params, 0)] * rows)
         real_kv, self.kv = getattr(self, "kv", None), kv
         graphs, self.graphs = getattr(self, "graphs", None), None
+        self.sampler.sort_all = True      # top-p rows sorted in full: its most memory
         try:
             self._execute(inp)
         finally:
             self.kv, self.graphs = real_kv, graphs
+            self.sampler.sort_all = False
         torch.cuda.synchronize(self.device)
 
     def _profile_decode(self, kv: torch.Tensor, rows: int) -> None:

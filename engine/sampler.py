@@ -73,7 +73,7 @@ def _keep_prefix(x: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor, n: torc
 
 def filter_rows(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                 min_p: torch.Tensor | None, max_top_k: int, any_top_p: bool,
-                drawn: torch.Tensor | None = None
+                drawn: torch.Tensor | None = None, sort_all: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [R, V] (temperature applied) with entries outside min-p, top-k and the top-p nucleus
     set to -inf, in that order; per row top_k (0: off), top_p (1: off), min_p (0: off).
@@ -85,7 +85,8 @@ def filter_rows(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
 
     Also returns the candidate ids [R, C] when every `drawn` row keeps nothing outside them,
     so the draw can sum over C tokens instead of the vocabulary (else None). One host sync at
-    most (whether any row spills, whether the candidates hold every drawn row)."""
+    most (whether any row spills, whether the candidates hold every drawn row). `sort_all`:
+    every top-p row takes the full sort (the memory profile's worst case)."""
     v = x.shape[-1]
     if min_p is not None:
         probs = x.softmax(-1)
@@ -113,6 +114,8 @@ def filter_rows(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     # decided on the candidates when the last one is dropped and no tie reaches past them
     # (or top-k already leaves nothing outside them)
     fits = bounded | ((before[:, -1] >= top_p) & (vals[:, -1] < last)) | (c == v)
+    if sort_all:
+        fits = torch.zeros_like(on)
     x = torch.where((on & fits)[:, None], _keep_prefix(x, vals, ids, n), x)
     spill = on & ~fits
     bounded = bounded | (on & fits)
@@ -304,6 +307,7 @@ class Sampler:
 
     def __init__(self, eos_token_ids: Sequence[int] = ()) -> None:
         self.eos_token_ids = tuple(eos_token_ids)
+        self.sort_all = False       # the memory profile: top-p's worst case (a full sort)
 
     @staticmethod
     def regions(n: int) -> list[tuple[str, int, torch.dtype]]:
@@ -344,7 +348,8 @@ class Sampler:
         x = process_logits(logits, plan.processing)
         packed = sample_tensors(logits, dev["temperature"][:r], dev["top_p"][:r],
                                 dev["top_k"][:r], dev["uniform"][:r], plan,
-                                processed=x, min_p=dev["min_p"][:r]).tolist()
+                                processed=x, min_p=dev["min_p"][:r],
+                                sort_all=self.sort_all).tolist()
         tokens, logprobs = [], []
         n = plan.max_top_logprobs
         for row, vals in zip(plan.rows, packed):
@@ -402,7 +407,7 @@ def process_logits(logits: torch.Tensor, proc: Processing) -> torch.Tensor:
 def sample_tensors(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
                    top_k: torch.Tensor, u: torch.Tensor, plan: SamplingPlan,
                    processed: torch.Tensor | None = None,
-                   min_p: torch.Tensor | None = None) -> torch.Tensor:
+                   min_p: torch.Tensor | None = None, sort_all: bool = False) -> torch.Tensor:
     """The batched sampler. logits [R, V] f32 (raw: logprobs are theirs), processed [R, V] (what
     the token is chosen from; default: the logits); per row: temperature (0: argmax), top_p,
     top_k, min_p, u [R] f64. Returns [R, 2 + 2n] f64: token, its logprob, n top ids, n top
@@ -414,7 +419,7 @@ def sample_tensors(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch
         drawn = temperature > 0
         x = x / torch.where(drawn, temperature, 1.0)[:, None]            # [R, V]
         x, ids = filter_rows(x, top_k, top_p, min_p if plan.any_min_p else None,
-                             plan.max_top_k, plan.any_top_p, drawn)
+                             plan.max_top_k, plan.any_top_p, drawn, sort_all)
         probs = x.softmax(-1)
         if ids is not None:
             # every drawn row keeps only candidates: the CDF over them, in id order, is the

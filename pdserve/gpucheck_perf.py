@@ -70,7 +70,9 @@ def _decode_inputs(batch: int, ctx: int, block_size: int, vocab: int):
     tables = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
     greedy = SamplingParams(temperature=0, max_tokens=1)
     return StepInputs([(7 * i) % vocab for i in range(batch)],
-                      BatchLayout(tables, [ctx - 1] * batch, [1] * batch), list(range(batch)),
+                      # named tables: the steps after the first upload none of them
+                      BatchLayout(tables, [ctx - 1] * batch, [1] * batch, list(range(batch))),
+                      list(range(batch)),
                       [RowSampling(greedy, 0)] * batch)
 
 

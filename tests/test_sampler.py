@@ -190,3 +190,22 @@ def test_top_p_without_a_full_sort_keeps_the_sorted_nucleus_and_draws():
             assert tok == draw(sampling_probs(logits[row], p), uniform(p.seed, index))
             # alone, a row held by its candidates draws from their CDF only: the same token
             assert sample(logits[row:row + 1], [p], [index])[0] == [tok]
+
+
+def test_the_memory_profiles_full_sort_draws_what_the_candidates_draw():
+    """The memory profile sorts every top-p row in full (its worst case): the same tokens."""
+    from engine.sampler import RowSampling, Sampler
+
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(4, 2000, generator=g) * 5
+    rows = [RowSampling(SamplingParams(temperature=1.0, top_p=0.9, top_k=k, seed=s), 3)
+            for s, k in ((1, 0), (2, 50), (3, 0), (4, 7))]
+    got = []
+    for sort_all in (False, True):
+        sampler = Sampler()
+        sampler.sort_all = sort_all
+        host = {name: torch.zeros(n, dtype=dt).numpy() for name, n, dt in sampler.regions(4)}
+        plan = sampler.stage(rows, host)
+        dev = {k: torch.from_numpy(a) for k, a in host.items()}
+        got.append(sampler.sample(logits, plan, dev)[0])
+    assert got[0] == got[1]

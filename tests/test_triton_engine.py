@@ -22,7 +22,8 @@ LATER = [5, 9, 17, 3, 3, 100, 41, 7, 11, 12, 13, 14, 15]   # the first's 2 block
 
 def generate(model_dir, backend: str, rounds=(PROMPTS, [LATER]), max_tokens: int = 6, **cfg
              ) -> tuple[dict[str, list[int]], Engine]:
-    eng = Engine(model_dir, EngineConfig(num_blocks=48, block_size=4, max_num_batched_tokens=8,
+    cfg = {"num_blocks": 48, **cfg}
+    eng = Engine(model_dir, EngineConfig(block_size=4, max_num_batched_tokens=8,
                                          device=DEVICE, attention_backend=backend, **cfg))
     assert eng.runner.backend.name == backend
     got: dict[str, list[int]] = {}
@@ -70,3 +71,21 @@ def test_triton_moe_backend_gives_the_torch_backends_greedy_tokens(tmp_path, fam
     got, eng = generate(tmp_path, "triton")
     assert {m.method.name for m in eng.model.modules() if isinstance(m, Experts)} == {"triton"}
     assert got == want
+
+
+def test_triton_backend_keeps_block_tables_on_the_device_through_preemption(tmp_path):
+    """Block tables stay on the device across steps (engine.attention.block_tables): with a
+    pool small enough to preempt (a re-admitted request's table has a new id) and more
+    requests than resident rows (rows evicted and reused), the tokens are the torch
+    backend's, and the steps uploaded fewer entries than whole tables every step would."""
+    make_model(tmp_path, "llama")
+    prompts = [[3 + i, 9, 17, 3, 3 + i, 100, 41, 7, 7, i] for i in range(6)]
+    cfg = dict(num_blocks=8, max_num_seqs=2)
+    want, _ = generate(tmp_path, "torch", ([*prompts],), 10, **cfg)
+    got, eng = generate(tmp_path, "triton", ([*prompts],), 10, **cfg)
+    assert got == want
+    assert eng.stats.preemptions > 0
+    tables = eng.runner.backend.tables
+    assert tables.rows == 4
+    # whole tables each step: >= 3 blocks x 2 sequences x ~60 steps
+    assert 0 < tables.entries_staged < eng.stats.steps * 2

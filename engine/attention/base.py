@@ -1,7 +1,8 @@
 """The attention backend interface: metadata built once per step, one call per layer.
 
     runner, once per step:  meta = backend.build(batch, buffers, pad_to)   (host work + staging)
-                            buffers.upload(...)                            (one H2D copy)
+                            buffers.upload(..., backend.staged(meta))      (one H2D copy)
+                            backend.prepare(meta)                          (device-side setup)
     each layer:             out = backend.forward(q, k, v, rope, cache, meta, scale)
 
 `forward` stores the step's new K/V (rotary applied to q and k) into their slots of the layer's
@@ -30,11 +31,15 @@ from engine.config import ModelConfig
 class BatchLayout:
     """A step's sequences as the host knows them. Sequence i has `starts[i]` tokens in the cache
     before this step and `q_lens[i]` new ones (rows sum(q_lens[:i]) .. of the step);
-    `block_tables[i]` holds at least ceil((starts[i] + q_lens[i]) / block_size) block ids."""
+    `block_tables[i]` holds at least ceil((starts[i] + q_lens[i]) / block_size) block ids.
+    `table_ids[i]` (optional) names table i for as long as it lives: a table only grows under
+    its id, so a backend may keep it on the device and upload only what it adds
+    (engine.attention.block_tables); a table that changes otherwise needs a new id."""
 
     block_tables: Sequence[Sequence[int]]
     starts: Sequence[int]
     q_lens: Sequence[int]
+    table_ids: Sequence[int | None] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -72,10 +77,18 @@ class AttentionBackend(abc.ABC):
         (declared before the block tables)."""
         return []
 
-    def block_table_region(self, sizes: BufferSizes) -> tuple[str, int, torch.dtype] | None:
-        """The block-table region [max_seqs * max_blocks], declared last; None if the backend
-        builds its own metadata tensors."""
+    def tail_region(self, sizes: BufferSizes) -> tuple[str, int, torch.dtype] | None:
+        """A region declared last, of which a step uploads only `staged(meta)` elements (the
+        block-table entries it adds); None if the backend builds its own metadata tensors."""
         return None
+
+    def staged(self, meta) -> int:
+        """Elements of the tail region this step's metadata uses."""
+        return 0
+
+    def prepare(self, meta) -> None:
+        """Device-side setup after the step's upload, before the model runs (or its graph
+        replays)."""
 
     @abc.abstractmethod
     def build(self, batch: BatchLayout, buffers, pad_to: int | None = None):

@@ -8,9 +8,12 @@ block table. Metadata lives in the runner's StepBuffers (one H2D copy per step),
 that never change, so a decode-only step can be captured once per batch-size bucket and replayed.
 
 Staged per step (int32): slot_mapping [T], query_start_loc [B + 1], seq_lens [B], the attention
-tiles (tile_seq, tile_start: one per sequence and run of up to block_q queries), block_tables
-[max_seqs, max_blocks] (rows of the step's sequences). A padded sequence (CUDA-graph buckets) has
-one row, slot -1 (nothing stored), seq_len 0 (zero output).
+tiles (tile_seq, tile_start: one per sequence and run of up to block_q queries), seq_rows [B]
+(each sequence's row of the device-resident block tables) and the block-table entries the step
+adds (engine.attention.block_tables). After the upload the entries are scattered into the
+resident tables and the step's rows gathered into step_tables [max_seqs, max_blocks], the
+fixed-address table the kernels read. A padded sequence (CUDA-graph buckets) has one row,
+slot -1 (nothing stored), seq_len 0 (zero output).
 
 Decode-only batches with few sequences split each sequence's context across programs
 (split-KV) so the GPU fills up: the split count is fixed per batch size, so a graph replays
@@ -19,13 +22,13 @@ with the launch it was captured with.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from engine.attention.base import AttentionBackend, BatchLayout
+from engine.attention.block_tables import DeviceBlockTables
 from pdkernels import triton_attention as ta
 from pdkernels.triton_attention import MAX_SPLITS
 from pdkernels.triton_kv_store import store_kv
@@ -36,12 +39,15 @@ class TritonMetadata:
     slot_mapping: torch.Tensor       # [T] int32
     query_start_loc: torch.Tensor    # [max_seqs + 1] int32
     seq_lens: torch.Tensor           # [max_seqs] int32
-    block_tables: torch.Tensor       # [max_seqs, max_blocks] int32
+    block_tables: torch.Tensor       # [max_seqs, max_blocks] int32 (filled by prepare)
     tile_seq: torch.Tensor           # [max_tiles] int32
     tile_start: torch.Tensor         # [max_tiles] int32
     num_tiles: int
     block_m: int
     num_splits: int
+    seq_rows: torch.Tensor           # [n] int32: each real sequence's resident row
+    table_pairs: torch.Tensor        # [capacity, 2] int32: (flat index, block id) added
+    num_pairs: int
 
 
 class TritonBackend(AttentionBackend):
@@ -58,16 +64,27 @@ class TritonBackend(AttentionBackend):
         self.split_tokens = s.max_seqs                  # split-KV: decode-only steps
         self.partial_out, self.partial_lse = ta.split_scratch(
             self.split_tokens, m.num_heads, m.head_dim, MAX_SPLITS, self.device)
+        self.tables = DeviceBlockTables(2 * s.max_seqs, s.max_blocks, self.device)
+        # what the kernels read: never reallocated (CUDA graphs hold its address)
+        self.step_tables = torch.zeros(s.max_seqs, s.max_blocks, dtype=torch.int32,
+                                       device=self.device)
 
     def regions(self, sizes):
         i32 = torch.int32
         tiles = sizes.max_tokens + sizes.max_seqs       # every sequence's tiles, block_q >= 1
         return [("slot_mapping", sizes.max_tokens, i32), ("query_start_loc", sizes.max_seqs + 1, i32),
                 ("seq_lens", sizes.max_seqs, i32), ("tile_seq", tiles, i32),
-                ("tile_start", tiles, i32)]
+                ("tile_start", tiles, i32), ("seq_rows", sizes.max_seqs, i32)]
 
-    def block_table_region(self, sizes):
-        return ("block_tables", sizes.max_seqs * sizes.max_blocks, torch.int32)
+    def tail_region(self, sizes):
+        # every sequence new to the device, its whole table: (flat index, block id) pairs
+        return ("table_pairs", 2 * sizes.max_seqs * sizes.max_blocks, torch.int32)
+
+    def staged(self, meta: TritonMetadata) -> int:
+        return 2 * meta.num_pairs
+
+    def prepare(self, meta: TritonMetadata) -> None:
+        self.tables.apply(meta.table_pairs, meta.num_pairs, meta.seq_rows, meta.block_tables)
 
     def splits_for(self, num_seqs: int) -> int:
         return ta.num_splits_for(num_seqs, self.model.num_kv_heads, self.num_sms, MAX_SPLITS)
@@ -90,7 +107,7 @@ class TritonBackend(AttentionBackend):
         if rows > len(h["slot_mapping"]):
             raise ValueError(f"{rows} rows exceed the {len(h['slot_mapping'])} staged")
         h["query_start_loc"][:b + 1] = qsl
-        self._stage_sequences(batch, n, qsl, h)
+        num_pairs = self._stage_sequences(batch, n, qsl, h)
         h["seq_lens"][n:b] = 0
         h["slot_mapping"][qsl[n]:rows] = -1
         block_m, block_q = ta.attention_tile_shape(self.qpk, max(q_lens) if q_lens else 1)
@@ -106,15 +123,20 @@ class TritonBackend(AttentionBackend):
             num_tiles = len(tile_seq)
         splits = self.splits_for(b) if decode and b <= self.split_tokens else 1
         d = buffers.dev
+        tables = self.step_tables
+        if b > tables.shape[0]:          # a one-off step larger than the buffers: eager only
+            tables = torch.zeros(b, width, dtype=torch.int32, device=self.device)
         return TritonMetadata(d["slot_mapping"][:rows], d["query_start_loc"], d["seq_lens"],
-                              d["block_tables"].view(-1, width), d["tile_seq"],
-                              d["tile_start"], num_tiles, block_m, splits)
+                              tables, d["tile_seq"], d["tile_start"], num_tiles, block_m,
+                              splits, d["seq_rows"][:n], d["table_pairs"].view(-1, 2),
+                              num_pairs)
 
-    def _stage_sequences(self, batch: BatchLayout, n: int, qsl: np.ndarray, h) -> None:
-        """Block tables, context lengths and slot mapping of the n real sequences, vectorized
-        over the batch (one numpy pass each, no per-token Python)."""
+    def _stage_sequences(self, batch: BatchLayout, n: int, qsl: np.ndarray, h) -> int:
+        """Block-table entries new to the device, context lengths and slot mapping of the n
+        real sequences, vectorized over the batch (no per-token Python). Returns the number
+        of table entries staged."""
         if not n:
-            return
+            return 0
         bs, width = self.block_size, self.sizes.max_blocks
         starts = np.asarray(batch.starts, dtype=np.int64)
         q = np.diff(qsl[:n + 1])
@@ -128,17 +150,15 @@ class TritonBackend(AttentionBackend):
                              f"its table has {int(have[i])}")
         if int(used.max()) > width:
             raise ValueError(f"a sequence needs {int(used.max())} blocks; tables hold {width}")
-        first = np.cumsum(used) - used                       # each sequence's first entry
-        entry = np.arange(int(used.sum())) - np.repeat(first, used)
-        flat = np.fromiter(itertools.chain.from_iterable(
-            t[:u] for t, u in zip(batch.block_tables, used.tolist())), dtype=np.int64)
-        tables = h["block_tables"]
-        tables[np.repeat(np.arange(n) * width, used) + entry] = flat
+        seq_rows, count = self.tables.stage(batch.block_tables[:n], used, have, batch.table_ids,
+                                            h["table_pairs"].reshape(-1, 2))
+        h["seq_rows"][:n] = seq_rows
         h["seq_lens"][:n] = ends
-        seq = np.repeat(np.arange(n), q)
+        seq_row = np.repeat(seq_rows, q)
         pos = np.arange(int(qsl[n])) - np.repeat(qsl[:n], q) + np.repeat(starts, q)
-        block = tables[seq * width + pos // bs].astype(np.int64)
+        block = self.tables.host[seq_row, pos // bs].astype(np.int64)
         h["slot_mapping"][:int(qsl[n])] = block * bs + pos % bs
+        return count
 
     def forward(self, q, k, v, rope, cache, meta: TritonMetadata, scale: float):
         cos, sin = rope

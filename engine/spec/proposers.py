@@ -137,13 +137,13 @@ class DraftProposer(Proposer):
         self.computed: dict[str, int] = {}        # tokens whose draft KV is valid
 
     def _forward(self, ids: list[int], tables: list[list[int]], starts: list[int],
-                 q_lens: list[int]) -> torch.Tensor:
+                 q_lens: list[int], table_ids: list[int | None]) -> torch.Tensor:
         """Logits [num sequences, vocab] at each sequence's last new position."""
         last, end = [], 0
         for n in q_lens:
             end += n
             last.append(end - 1)
-        inputs = StepInputs(ids, BatchLayout(tables, starts, q_lens), last, [])
+        inputs = StepInputs(ids, BatchLayout(tables, starts, q_lens, table_ids), last, [])
         return self.runner.execute(inputs).logits
 
     @staticmethod
@@ -167,6 +167,7 @@ class DraftProposer(Proposer):
         props = [Proposal([]) for _ in reqs]
         live: list[int] = []
         ids, tables, starts, q_lens = [], [], [], []
+        table_ids: list[int | None] = []
         for i, (req, k) in enumerate(zip(reqs, ks)):
             if k <= 0:
                 continue
@@ -177,12 +178,13 @@ class DraftProposer(Proposer):
                 continue                                  # draft pool full: no proposal
             live.append(i)
             ids.extend(req.all_token_ids[start:n])
-            tables.append(list(self.kv_manager.block_table(rid)))
+            tables.append(self.kv_manager.block_table(rid))
+            table_ids.append(self.kv_manager.table_id(rid))
             starts.append(start)
             q_lens.append(n - start)
         if not live:
             return props
-        logits = self._forward(ids, tables, starts, q_lens)
+        logits = self._forward(ids, tables, starts, q_lens, table_ids)
         probs: dict[int, list[torch.Tensor]] = {i: [] for i in live}
         toks, qs = self._pick(logits, [reqs[i] for i in live],
                               [len(reqs[i].output_token_ids) for i in live])
@@ -196,14 +198,15 @@ class DraftProposer(Proposer):
             step = [i for i in live if ks[i] > j]
             if not step:
                 break
-            ids, tables, starts = [], [], []
+            ids, tables, starts, table_ids = [], [], [], []
             for i in step:
                 req = reqs[i]
                 p = req.num_tokens + j - 1                   # position of the fed draft token
                 ids.append(props[i].tokens[-1])
-                tables.append(list(self.kv_manager.block_table(req.request_id)))
+                tables.append(self.kv_manager.block_table(req.request_id))
+                table_ids.append(self.kv_manager.table_id(req.request_id))
                 starts.append(p)
-            logits = self._forward(ids, tables, starts, [1] * len(step))
+            logits = self._forward(ids, tables, starts, [1] * len(step), table_ids)
             toks, qs = self._pick(logits, [reqs[i] for i in step],
                                   [len(reqs[i].output_token_ids) + j for i in step])
             for row, i in enumerate(step):
