@@ -17,8 +17,9 @@ int4) and widened in registers: exact, |values| <= 127. A per-channel scale is a
 output, group scales once per K tile (a tile lies in one group: BLOCK_K divides G).
 
 Work decomposition (`plan`, from M, N, K alone). Programs are (row tile, column tile, K split).
-- M == 1 (decode at batch 1): a GEMV, products and sums in fp32 on the CUDA cores; a tensor-core
-  tile would be 15/16 padding.
+- M == 1 (decode at batch 1): a GEMV, products and sums in fp32 on the CUDA cores (a tensor-core
+  tile would be 15/16 padding): each (column, K lane) keeps its own sum over the program's K
+  range, and the lanes are reduced once at its end.
 - M <= 16: one BLOCK_M 16 row tile into `tl.dot`.
 - larger M (prefill): BLOCK_M up to 64 into `tl.dot`.
 Column tiles alone give N / 64 programs (64 for N = 4096 on 132 SMs), so at decode the K range
@@ -129,11 +130,9 @@ def packable(k: int, groups: int) -> bool:
 
 
 @triton.jit
-def _mac(x, w, GEMV: tl.constexpr, IEEE: tl.constexpr):
+def _mac(x, w, IEEE: tl.constexpr):
     """x [BLOCK_M, T] @ w [BLOCK_N, T].T -> [BLOCK_M, BLOCK_N] fp32; w integer-valued."""
-    if GEMV:                                     # x [1, T]
-        part = tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
-    elif IEEE:                                   # fp32 x: exact products, no tf32
+    if IEEE:                                     # fp32 x: exact products, no tf32
         part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision="ieee")
     else:
         part = tl.dot(x, tl.trans(w.to(x.dtype)))
@@ -159,6 +158,9 @@ def _quant_linear_kernel(x_ptr, q_ptr, scale_ptr, offset_ptr, bias_ptr, y_ptr, p
     x_row = x_ptr + rows[:, None].to(tl.int64) * stride_x
     q_row = q_ptr + cols[:, None].to(tl.int64) * stride_q
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # the GEMV keeps a sum per (column, K lane) across its K range and reduces the lanes once
+    # at the end, not once per K tile
+    lanes = tl.zeros((BLOCK_N, BLOCK_K) if GEMV else (1, 1), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         g = 0 if GROUP == 0 else k0 // GROUP
         kk = k0 + tl.arange(0, BLOCK_K)[None, :]
@@ -174,12 +176,23 @@ def _quant_linear_kernel(x_ptr, q_ptr, scale_ptr, offset_ptr, bias_ptr, y_ptr, p
             if HAS_OFFSET:
                 w += tl.load(offset_ptr + cols[:, None].to(tl.int64) * GROUPS + g,
                              mask=col_ok, other=0)
-        part = _mac(x, w, GEMV, IEEE)
-        if GROUP == 0:
-            acc += part
+        if GEMV:                                                              # x [1, BK]
+            prod = w.to(tl.float32) * x.to(tl.float32)                        # [BN, BK]
+            if GROUP != 0:
+                s = tl.load(scale_ptr + cols.to(tl.int64) * GROUPS + g, mask=cols < N,
+                            other=0.0)
+                prod = prod * s[:, None]
+            lanes += prod
         else:
-            s = tl.load(scale_ptr + cols.to(tl.int64) * GROUPS + g, mask=cols < N, other=0.0)
-            acc += part * s[None, :]
+            part = _mac(x, w, IEEE)
+            if GROUP == 0:
+                acc += part
+            else:
+                s = tl.load(scale_ptr + cols.to(tl.int64) * GROUPS + g, mask=cols < N,
+                            other=0.0)
+                acc += part * s[None, :]
+    if GEMV:
+        acc = tl.sum(lanes, axis=1)[None, :]
     if GROUP == 0:
         acc *= tl.load(scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
     out_mask = (rows[:, None] < M) & (cols[None, :] < N)
