@@ -31,13 +31,21 @@ run to run (atomic fp32 adds land in any order), and the launches are as many (a
 buffer zeroed first and a cast after it for 16-bit outputs). The scratch is split * M * N * 4
 bytes: ~3% of the weight's bytes for an 8B model's projections at batch 1, more for small ones.
 
+Tuned tiles. For 2..16 rows (decode batches) the tile and split may come from a table
+measured on the device (`quant_linear_tuned.json` beside this file: device name -> "rows
+bucket,N,K,group,bits" -> [block_n, block_k, split]); `tune` measures it (`make gpu-check`'s
+tune row prints the entries). Shapes not in the table take the rule above.
+
 Capturable in a CUDA graph: no host syncs; the grid and scratch size follow the shapes only.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 import torch
 import triton
@@ -50,6 +58,7 @@ DECODE_ROWS = 16      # up to this many rows: one BLOCK_M 16 tile (1 row: the GE
 MIN_BLOCK = 32        # tiles shrink to this in N and K before splitting further
 REDUCE_BLOCK = 256
 NUM_WARPS = 4
+TUNED_FILE = Path(__file__).with_name("quant_linear_tuned.json")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,14 +84,32 @@ class Plan:
         return a * b * c
 
 
-def plan(m: int, n: int, k: int, group: int = 0, num_sms: int = H200_SMS) -> Plan:
+def tune_key(m: int, n: int, k: int, group: int, bits: int) -> str:
+    """The tuned table's key: rows rounded up to a power of two (2..16), the shape, the scheme."""
+    return f"{triton.next_power_of_2(m)},{n},{k},{group},{bits}"
+
+
+def _split_plan(block_m: int, block_n: int, block_k: int, k: int, split: int, gemv: bool
+                ) -> Plan:
+    k_tiles = max(1, triton.cdiv(k, block_k))
+    per = triton.cdiv(k_tiles, max(1, min(split, k_tiles)))
+    return Plan(block_m, block_n, block_k, triton.cdiv(k_tiles, per), per * block_k, gemv)
+
+
+def plan(m: int, n: int, k: int, group: int = 0, num_sms: int = H200_SMS,
+         tuned: dict[str, list[int]] | None = None, bits: int = 8) -> Plan:
     """Tiles and split for x [m, k] @ W [n, k].T with scale groups of `group` (0: per channel).
     Decode (m <= DECODE_ROWS): the K range is cut so the grid reaches WAVES * num_sms programs,
     tiles shrinking to MIN_BLOCK in N, then K, where K has too few tiles for that; at most
     MAX_SPLIT splits. Prefill: no split once the (row, column) tiles cover every SM, else the
-    same rule."""
+    same rule. 2..16 rows take `tuned`'s entry for the shape where it has one."""
     gemv = m <= 1
     decode = m <= DECODE_ROWS
+    if decode and not gemv and tuned:
+        entry = tuned.get(tune_key(m, n, k, group, bits))
+        if entry is not None:
+            block_n, block_k, split = entry
+            return _split_plan(16, block_n, block_k, k, split, False)
     block_m = 1 if gemv else 16 if decode else min(64, triton.next_power_of_2(m))
     block_n = 64
     block_k = 128 if decode else 64
@@ -104,8 +131,27 @@ def plan(m: int, n: int, k: int, group: int = 0, num_sms: int = H200_SMS) -> Pla
         else:
             break
     split = max(1, min(k_tiles, MAX_SPLIT, triton.cdiv(target, tiles)))
-    per = triton.cdiv(k_tiles, split)
-    return Plan(block_m, block_n, block_k, triton.cdiv(k_tiles, per), per * block_k, gemv)
+    return _split_plan(block_m, block_n, block_k, k, split, gemv)
+
+
+@functools.lru_cache(maxsize=None)
+def tuned_tiles(device_name: str) -> dict[str, list[int]]:
+    """The tuned table's entries for a device (empty: none measured)."""
+    if not TUNED_FILE.exists():
+        return {}
+    return json.loads(TUNED_FILE.read_text()).get(device_name, {})
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def device_name(device: torch.device) -> str:
+    """The tuned table's device key: the CUDA device's name, "cpu" elsewhere."""
+    if device.type != "cuda":
+        return device.type
+    return _device_name(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
@@ -259,22 +305,64 @@ def quant_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if not (m and n):
         return y.view(*x.shape[:-1], n)
-    p = plan(m, n, k, group, num_sms if num_sms is not None else num_sms_of(x.device))
-    part = (torch.empty(p.split, m, n, dtype=torch.float32, device=x.device) if p.split > 1
+    p = plan(m, n, k, group, num_sms if num_sms is not None else num_sms_of(x.device),
+             tuned_tiles(device_name(x.device)), bits)
+    _launch(x2, q, scale, bias, offset, bits, group, y, p)
+    return y.view(*x.shape[:-1], n)
+
+
+def _launch(x2, q, scale, bias, offset, bits: int, group: int, y: torch.Tensor, p: Plan) -> None:
+    m, k = x2.shape
+    n = q.shape[0]
+    part = (torch.empty(p.split, m, n, dtype=torch.float32, device=x2.device) if p.split > 1
             else y)
     has_bias = bias is not None
     _quant_linear_kernel[p.grid(m, n)](
         x2, q, scale, offset if offset is not None else q, bias if has_bias else scale, y, part,
         m, n, k, x2.stride(0), q.stride(0), y.stride(0), k // group if group else 1, p.k_split,
         BITS=bits, GROUP=group, HAS_OFFSET=offset is not None, HAS_BIAS=has_bias,
-        SPLIT=p.split > 1, GEMV=p.gemv, IEEE=x.dtype == torch.float32, BLOCK_M=p.block_m,
+        SPLIT=p.split > 1, GEMV=p.gemv, IEEE=x2.dtype == torch.float32, BLOCK_M=p.block_m,
         BLOCK_N=p.block_n, BLOCK_K=p.block_k, num_warps=NUM_WARPS,
         num_stages=2 if p.block_m >= 32 else 3)
     if p.split > 1:
         _reduce_kernel[(triton.cdiv(m * n, REDUCE_BLOCK),)](
             part, bias if has_bias else scale, y, m, n, y.stride(0), p.split, HAS_BIAS=has_bias,
             BLOCK=REDUCE_BLOCK, num_warps=NUM_WARPS)
-    return y.view(*x.shape[:-1], n)
+
+
+TILES = [(bn, bk) for bn in (32, 64, 128) for bk in (64, 128, 256)]
+SPLITS = (1, 2, 4, 8, 16)
+
+
+def tune(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+         bits: int, time_of: Callable[[Callable[[], None]], float]
+         ) -> tuple[str, list[int], float, float]:
+    """The fastest (block_n, block_k, split) for x [2..16, K] against these weights, among
+    TILES x SPLITS (tiles a group's K range divides), each checked against the rule's output;
+    `time_of(fn)` times a call. Returns (tune_key, [block_n, block_k, split], its time, the
+    rule's time)."""
+    m, k = x.shape
+    n = q.shape[0]
+    group = _group_of(scale, n, k, bits)
+    rule = plan(m, n, k, group, num_sms_of(x.device), None, bits)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    want = torch.empty_like(y)
+    _launch(x, q, scale, None, offset, bits, group, want, rule)
+    best = (time_of(lambda: _launch(x, q, scale, None, offset, bits, group, y, rule)),
+            [rule.block_n, rule.block_k, rule.split])
+    rule_time = best[0]
+    for block_n, block_k in TILES:
+        if group and group % block_k:
+            continue
+        for split in SPLITS:
+            p = _split_plan(16, block_n, block_k, k, split, False)
+            if p.split != split:
+                continue
+            t = time_of(lambda: _launch(x, q, scale, None, offset, bits, group, y, p))
+            torch.testing.assert_close(y.float(), want.float(), atol=1e-2, rtol=1e-2)
+            if t < best[0]:
+                best = (t, [block_n, block_k, split])
+    return tune_key(m, n, k, group, bits), best[1], best[0], rule_time
 
 
 # ---------------------------------------------------------------------------------------------

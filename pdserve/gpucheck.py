@@ -5,8 +5,9 @@ files: random weights, no network). The rows that use gRPC need the generated pr
 proto/pdserve_pb2.py and proto/pdserve_pb2_grpc.py (made by `python -m proto.build`) to the
 device, generated for its protobuf and grpcio; without them, or for other versions, those rows
 say why they skip. Each group of sections (GROUPS, in the order that learns the most first:
-versions, decode and prefill, memory, KV, MoE, sampler, TP, then the kernel and parity tests,
-which mostly compile and run at once) runs in its own process with its own timeout, cut to what
+versions, decode and prefill, memory, KV, MoE, sampler, TP, tuned tiles, then the kernel and
+parity tests, which mostly compile and run at once) runs in its own process with its own
+timeout, cut to what
 `--deadline` leaves (450 s by default: one short run on a borrowed GPU); each row is appended
 to `--out` as a JSON line when measured, so a killed run keeps what it finished. Prints one
 summary table:
@@ -31,6 +32,9 @@ summary table:
   int4         the same with 4-bit weights in groups of 128 (the layers of GPTQ / AWQ /
                compressed-tensors W4A16 checkpoints), which every linear layer must hold packed
                two per byte (half of int8's bytes)
+  tune         the quantized linear's tile and split per 8B projection shape at 8 and 16 rows,
+               int8 and int4 (pdkernels.triton_quant_linear.tune): time against the rule's, and
+               the entries to commit to pdkernels/quant_linear_tuned.json
   moe          the fused MoE kernel (pdkernels.triton_moe) at Qwen3-30B-A3B's MoE layer (2048 ->
                768, 128 experts, top-8) in bf16 at T = 1, 16 and 256: output against its torch
                reference, time per call in a CUDA graph and eager, bandwidth and FLOP/s against
@@ -73,7 +77,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.gpucheck_device import release, sync, timed
-from pdserve.gpucheck_perf import TINY_DECODE, decode_and_prefill, moe_kernel
+from pdserve.gpucheck_perf import TINY_DECODE, decode_and_prefill, moe_kernel, quant_tune
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -402,6 +406,7 @@ GROUPS = {
     "moe": (("moe",), 90),
     "sampler": (("sampler",), 60),
     "tp": (("tp",), 90),
+    "tune": (("tune",), 60),
     "kernels": (("kernels",), 360),
     "parity": (("parity",), 240),
 }
@@ -453,6 +458,7 @@ def _run_group(group: str, args, report: Report) -> None:
         "int8": [lambda: perf(report, args.device, args.quick, steps, "int8")],
         "int4": [lambda: perf(report, args.device, args.quick, steps, "w4a16")],
         "moe": [lambda: moe_kernel(report, args.device, args.quick)] if cuda else [],
+        "tune": [lambda: quant_tune(report, args.device, args.quick)] if cuda else [],
         "tp": [lambda: tensor_parallel(report, args.device, args.quick)] if cuda else [],
         "sampler": [lambda: sampler_check(report, args.device, args.quick)],
         "kv": [lambda: gpucheck_kv.kv_roundtrip(report, args.device),

@@ -295,3 +295,46 @@ def moe_kernel(report, device: str, quick: bool) -> None:
                    f"{err:.1e} x max", "|out - ref| <= 2e-2 x max", None if quick else ok)
     del w13, w2
     release(device)
+
+
+def quant_tune(report, device: str, quick: bool) -> None:
+    """The quantized linear's decode-batch tiles tuned per shape (pdkernels.triton_quant_linear
+    `tune`): for each Llama-3-8B projection, int8 per channel and 4-bit in groups of 128, at 8
+    and 16 rows, the fastest tile and split against the rule's, and the entries for
+    quant_linear_tuned.json (keyed by this device's name). CUDA only: the interpreter's times
+    say nothing."""
+    import json
+
+    import torch
+
+    from pdkernels import triton_quant_linear as tq
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        report.add("tune", "skipped", "CUDA only (interpreter times say nothing)", "", None)
+        return
+    release(device)
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+    rows = (8,) if quick else (8, 16)
+    entries: dict[str, list[int]] = {}
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def time_of(fn) -> float:
+        import triton.testing
+        return triton.testing.do_bench(fn, warmup=5, rep=15)
+
+    for scheme, bits, groups in (("int8", 8, 1), ("int4 g128", 4, 0)):
+        gains = []
+        for n, k in shapes[:1] if quick else shapes:
+            grp = groups or k // 128
+            q = torch.randint(-7 if bits == 4 else -127, 8 if bits == 4 else 128, (n, k),
+                              generator=g, device=dev, dtype=torch.int8)
+            scale = torch.rand(n, grp, generator=g, device=dev) / (8 * k ** 0.5) + 1e-4
+            q, scale, offset, b = tq.prepare(q, scale, bits)
+            for m in rows:
+                x = torch.randn(m, k, generator=g, device=dev).to(torch.bfloat16)
+                key, entry, best, rule = tq.tune(x, q, scale, offset, b, time_of)
+                entries[key] = entry
+                gains.append(f"{n}x{k} M={m}: {rule * 1e3:.0f} -> {best * 1e3:.0f} us")
+        report.add("tune", scheme, "; ".join(gains), "tuned <= rule", True)
+    report.add("tune", "entries", f"{tq.device_name(dev)}: {json.dumps(entries)}", "", None)

@@ -171,3 +171,44 @@ def test_4_bit_layers_hold_packed_weights_on_cuda():
     x = torch.randn(3, 256, generator=g).to(DEVICE, torch.bfloat16)
     want = grouped_reference(x.float().cpu(), q, scale)
     torch.testing.assert_close(layer(x).float().cpu(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_tuned_tiles_are_measured_checked_and_then_planned(tmp_path, monkeypatch):
+    """`tune` tries each tile and split for a decode batch, checks each output against the
+    rule's and keeps the fastest by the timer it is given; an entry in the tuned table then
+    decides that shape's plan (other shapes keep the rule), with the same output."""
+    import json
+
+    import pdkernels.triton_quant_linear as tq
+
+    g = torch.Generator().manual_seed(8)
+    q, scale = _weights(64, 256, 8, 1, False, g)
+    q, scale, offset, bits = prepare(q, scale, 8)
+    q, scale = q.to(DEVICE), scale.to(DEVICE)
+    x = torch.randn(4, 256, generator=g).to(DEVICE)
+    calls = []
+
+    def time_of(fn):                   # the rule first, then the candidates: the 4th is fastest
+        fn()
+        calls.append(len(calls))
+        return 0.5 if len(calls) == 5 else 1.0
+
+    key, entry, best, rule = tq.tune(x, q, scale, offset, bits, time_of)
+    assert key == "4,64,256,0,8" and best == 0.5 and rule == 1.0
+    tried = [(bn, bk, s) for bn, bk in tq.TILES for s in tq.SPLITS
+             if tq._split_plan(16, bn, bk, 256, s, False).split == s]
+    assert len(calls) == 1 + len(tried) and entry == list(tried[3])
+    table = tmp_path / "tuned.json"
+    table.write_text(json.dumps({tq.device_name(torch.device(DEVICE)): {key: entry}}))
+    monkeypatch.setattr(tq, "TUNED_FILE", table)
+    tq.tuned_tiles.cache_clear()
+    try:
+        tuned = tq.tuned_tiles(tq.device_name(torch.device(DEVICE)))
+        p = plan(3, 64, 256, 0, H200_SMS, tuned, 8)      # 3 rows: the bucket of 4
+        assert [p.block_n, p.block_k, p.split] == entry and p.block_m == 16
+        assert plan(4, 64, 512, 0, H200_SMS, tuned, 8) == plan(4, 64, 512)
+        torch.testing.assert_close(quant_linear(x, q, scale, None, offset, bits).cpu(),
+                                   quant_linear_ref(x, q, scale, None, offset, bits).cpu(),
+                                   atol=TOL[torch.float32], rtol=TOL[torch.float32])
+    finally:
+        tq.tuned_tiles.cache_clear()
