@@ -40,7 +40,8 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool = True) -
     if not pin or t.numel() == 0 or not torch.cuda.is_available():
         return t
     ptr, nbytes = t.data_ptr(), t.untyped_storage().nbytes()
-    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    # portable: pinned for every device's context, as a pinned allocation is
+    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1)
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed (error "
                            f"{int(err)}): the host's locked-memory limit (ulimit -l) or memory")

@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine.pinned import pinned_empty
+
 _ALIGN = 8
 
 
@@ -37,7 +39,8 @@ class StepBuffers:
             off += -(-size // _ALIGN) * _ALIGN
         self.nbytes = off
         self.copies = device.type != "cpu"
-        self._host = torch.zeros(off, dtype=torch.uint8, pin_memory=self.copies)
+        # page-locked for the step's one asynchronous copy, exactly its bytes (engine.pinned)
+        self._host = pinned_empty((off,), torch.uint8, pin=self.copies).zero_()
         self._dev = (torch.zeros(off, dtype=torch.uint8, device=device) if self.copies
                      else self._host)
         self._copied = torch.cuda.Event() if self.copies else None

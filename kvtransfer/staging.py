@@ -37,8 +37,9 @@ uses ever ran at once, each as large as the largest message it carried. Freeing 
 buffer while a copy from it is in flight is safe: torch's pinned-memory allocator reuses it only
 after the copies recorded on it have completed.
 
-This module imports neither the generated proto code nor the engine, so a device check can drive
-the exact path of the grpc transport without them.
+This module imports neither the generated proto code nor the engine's model code (only
+engine.pinned, which needs torch alone), so a device check can drive the exact path of the grpc
+transport without them.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from engine.pinned import pinned_empty
 
 
 def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -284,7 +287,9 @@ class HostStaging:
             if buf is None:
                 self._capacity += nbytes
         if buf is None:
-            return _Buffer(torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned))
+            # page-locked by registration: exactly nbytes (torch's pinned allocator rounds up
+            # to a power of two and keeps it)
+            return _Buffer(pinned_empty((nbytes,), torch.uint8, pin=self.pinned))
         if buf.pending is not None:
             buf.pending.synchronize()            # the last copy out of it has finished
             buf.pending = None

@@ -111,6 +111,17 @@ def exact_pinning(report, kv: torch.Tensor) -> None:
                f"{locked / 2**20:.0f} MiB page-locked by registration, torch's pinned "
                f"allocator grew {grew / 2**20:.0f} MiB, is_pinned "
                f"{tier.tiers[0].data.is_pinned()}", "exactly its bytes", ok)
+    from kvtransfer.staging import HostStaging
+
+    nbytes = 3 * 2**20 + 4096                      # the grpc transport's staging buffer
+    before, cached = pinned_bytes(), stats().get("allocated_bytes.all.current", 0)
+    buf = HostStaging(kv.device).reserve(nbytes)
+    locked = pinned_bytes() - before
+    grew = stats().get("allocated_bytes.all.current", 0) - cached
+    report.add("kv offload", f"grpc staging buffer of {nbytes} bytes",
+               f"{locked} bytes page-locked, torch's pinned allocator grew {grew}, is_pinned "
+               f"{buf.data.is_pinned()}", "exactly its bytes",
+               locked == nbytes and grew < nbytes and buf.data.is_pinned())
 
 
 def race(report, kv: torch.Tensor, off, ids: list[int], into: list[int], want: torch.Tensor,
