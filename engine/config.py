@@ -82,6 +82,31 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's attention adds to causal GQA (0 / False: nothing)."""
+
+    window: int = 0           # sliding: a query sees itself and the window - 1 positions before
+    softcap: float = 0.0      # scores -> softcap * tanh(scores / softcap) (Gemma 2)
+    sinks: bool = False       # a learned logit per head joins each softmax (gpt-oss)
+    rope_theta: float = 0.0   # this layer's rotary base (0: the model's)
+    rope_scaling: tuple | None = None   # this layer's rotary scaling (None: the model's)
+
+    @property
+    def plain(self) -> bool:
+        """Causal attention over the whole context, nothing else (the rotary may differ)."""
+        return not (self.window or self.softcap or self.sinks)
+
+    def features(self) -> list[str]:
+        return [name for name, on in (("sliding windows", self.window),
+                                      ("logit soft-capping", self.softcap),
+                                      ("attention sinks", self.sinks)) if on]
+
+
+FULL = LayerAttention()
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")     # the gated MLP's activation
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """What the model code needs from an HF config.json."""
 
@@ -106,6 +131,10 @@ class ModelConfig:
     clip_qkv: float = 0.0             # > 0: q, k, v clamped to [-clip, clip] (OLMoE)
     rotary_dim: int = 0               # partial rotary: the first rotary_dim of each head; 0: all
     moe: MoEConfig | None = None      # the MoE layers; None: a dense model
+    layer_attention: tuple[LayerAttention, ...] = ()   # per layer; () every layer FULL
+    query_scale: float = 0.0          # scores' scale (0: head_dim ** -0.5)
+    final_logit_softcap: float = 0.0  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    hidden_act: str = "silu"          # ACTIVATIONS
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -116,6 +145,29 @@ class ModelConfig:
         if self.rotary_dim % 2 or not 0 <= self.rotary_dim <= self.head_dim:
             raise ValueError(f"rotary dims must be even and at most head_dim ({self.head_dim}), "
                              f"got {self.rotary_dim}")
+        if self.layer_attention and len(self.layer_attention) != self.num_layers:
+            raise ValueError(f"{len(self.layer_attention)} layers' attention for "
+                             f"{self.num_layers} layers")
+        allowed = ACTIVATIONS if self.moe is None else ("silu",)   # MoE experts: SwiGLU
+        if self.hidden_act not in allowed:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported for {self.family} "
+                             f"({', '.join(allowed)} is)")
+
+    def attention_of(self, layer: int) -> LayerAttention:
+        return self.layer_attention[layer] if self.layer_attention else FULL
+
+    @property
+    def attention_features(self) -> list[str]:
+        """What any layer's attention adds to causal GQA (sliding windows, ...)."""
+        seen: list[str] = []
+        for spec in self.layer_attention:
+            seen += [f for f in spec.features() if f not in seen]
+        return seen
+
+    @property
+    def max_window(self) -> int:
+        """The longest sliding window of any layer (0: none slides)."""
+        return max((a.window for a in self.layer_attention), default=0)
 
     @property
     def rope_dim(self) -> int:
@@ -132,18 +184,14 @@ class ModelConfig:
         from engine.models import family_for
 
         family = family_for(hf.get("architectures") or [])
-        act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported ({family.name} with silu is)")
+        act = hf.get("hidden_act") or hf.get("hidden_activation") or "silu"
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        if "full_attention" in rope:          # per layer type (Gemma 3): the global layers'
+            rope = dict(rope["full_attention"])
         theta = hf.get("rope_theta", rope.pop("rope_theta", 10000.0))
         rope.pop("rope_theta", None)
         partial = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise ValueError(f"rope type {rope_type!r} is not supported (default, llama3)")
-        rope_scaling = () if rope_type == "default" else tuple(sorted(
-            (k, v) for k, v in rope.items() if k != "type"))
+        rope_scaling = rope_scaling_of(rope)
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         eos = []
@@ -169,6 +217,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             eos_token_ids=tuple(eos),
             rotary_dim=0 if partial == 1.0 else int(head_dim * partial),
+            hidden_act=act,
         )
         return cls(**dict(common, **family.config(hf)))
 
@@ -179,6 +228,60 @@ class ModelConfig:
         gen_path = d / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
         return cls.from_hf(hf, gen)
+
+
+ROPE_TYPES = ("default", "llama3", "linear")
+
+
+def rope_scaling_of(rope: dict) -> tuple:
+    """HF rope parameters (without rope_theta) -> ModelConfig.rope_scaling: () for the default
+    rotary, else sorted (key, value) pairs; a type not implemented is refused by name."""
+    rope = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
+    if rope_type == "default":
+        return ()
+    return tuple(sorted((k, v) for k, v in dict(rope, rope_type=rope_type).items()
+                        if k != "type"))
+
+
+def sliding_layers(hf: dict) -> list[bool]:
+    """Which layers slide: HF's `layer_types` where the config lists them; else Gemma 3's
+    `sliding_window_pattern` (every pattern-th layer global), or, when sliding_window is set
+    and use_sliding_window does not turn it off, the layers from max_window_layers on (Qwen2;
+    every layer for Mistral)."""
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types:
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise ValueError(f"layer types {sorted(unknown)} are not supported")
+        return [t == "sliding_attention" for t in types[:n]]
+    if not hf.get("sliding_window") or not hf.get("use_sliding_window", True):
+        return [False] * n
+    if hf.get("sliding_window_pattern"):
+        return [bool((i + 1) % hf["sliding_window_pattern"]) for i in range(n)]
+    first = hf.get("max_window_layers", 0) if "use_sliding_window" in hf else 0
+    return [i >= first for i in range(n)]
+
+
+def sliding_config(hf: dict, **per_layer) -> dict:
+    """ModelConfig fields for a checkpoint whose layers may slide: layer_attention with each
+    sliding layer's window (and `per_layer` LayerAttention fields for every layer, and
+    `local_rope` (theta, scaling) for the sliding ones); {} when nothing differs by layer."""
+    local_rope = per_layer.pop("local_rope", None)
+    slide = sliding_layers(hf)
+    if not any(slide) and not per_layer:
+        return {}
+    window = int(hf.get("sliding_window") or 0)
+    specs = []
+    for s in slide:
+        extra = dict(per_layer)
+        if s and local_rope is not None:
+            extra["rope_theta"], extra["rope_scaling"] = local_rope
+        specs.append(LayerAttention(window=window if s else 0, **extra))
+    return dict(layer_attention=tuple(specs))
 
 
 # CPU paths a worker can be forced onto (auto: what measured fastest on the host's kind):

@@ -221,9 +221,10 @@ def test_supported_models_table_is_the_registry():
     has an HF parity test (a family in the table is a family tested)."""
     from engine.models import families, table
     from tests.moe_models import FAMILIES as MOE
+    from tests.test_attention_families import FAMILIES as BY_LAYER
     from tests.test_model_parity import FAMILIES as DENSE
 
     assert (ROOT / "docs" / "models.md").read_text() == table(), \
         "regenerate: python -m engine.models > docs/models.md"
-    tested = set(MOE) | {spec["model_type"] for spec in DENSE.values()}
+    tested = set(MOE) | {spec["model_type"] for spec in [*DENSE.values(), *BY_LAYER.values()]}
     assert {f.name for f in families()} <= tested

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config import FULL, LayerAttention, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -98,9 +98,12 @@ class AttentionBackend(abc.ABC):
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor], cache: torch.Tensor, meta,
-                scale: float) -> torch.Tensor:
+                scale: float, spec: LayerAttention = FULL, sinks: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """q [T, H, D], k and v [T, KVH, D] (views of the fused qkv projection), rope: cos and
-        sin [T, 1, D]; cache: one layer's [2, N, block_size, KVH, D]. Returns [T, H, D]."""
+        sin [T, 1, D]; cache: one layer's [2, N, block_size, KVH, D]; spec: what the layer's
+        attention adds (a window, soft-capping, sinks [H] given in `sinks`). Returns
+        [T, H, D]."""
 
 
 _BACKENDS = {
@@ -113,13 +116,19 @@ def backend_names() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def resolve_backend_name(name: str, device: torch.device) -> str:
-    """"auto": triton on CUDA, torch elsewhere."""
+def resolve_backend_name(name: str, device: torch.device, model: ModelConfig | None = None
+                         ) -> str:
+    """"auto": triton on CUDA, torch elsewhere, and torch for a model whose layers add what
+    the Triton kernels do not take yet (sliding windows, soft-capping, sinks)."""
+    special = model.attention_features if model is not None else []
     if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        return "triton" if device.type == "cuda" and not special else "torch"
     if name not in _BACKENDS:
         raise ValueError(f"attention backend must be 'auto' or one of {backend_names()}, "
                          f"got {name!r}")
+    if name == "triton" and special:
+        raise ValueError(f"the triton attention backend does not take {', '.join(special)} "
+                         "yet (this model's layers use them): use --attention-backend torch")
     return name
 
 
@@ -131,7 +140,7 @@ def create_backend(name: str, model: ModelConfig, block_size: int, dtype: torch.
     (torch_backend.CPU_ATTENTION); another backend takes only "auto"."""
     import importlib
 
-    resolved = resolve_backend_name(name, device)
+    resolved = resolve_backend_name(name, device, model)
     module, cls = _BACKENDS[resolved].split(":")
     backend_cls = getattr(importlib.import_module(module), cls)
     if resolved == "torch":

@@ -19,17 +19,23 @@ cached) in others. On accelerators a group takes every such sequence; on CPUs a 
 most CPU_GROUP_BYTES of K/V per layer, so what it gathers is still in cache when SDPA reads it
 (at 32 sequences of 400 tokens one group of 20 MB made a decode step 2.3x slower than groups of
 2 MB). Prompt chunks are attended one by one (causal, offset by cached context).
+
+A layer's attention may add to that (engine.config.LayerAttention): a sliding window narrows
+each query's mask to its last `window` positions (a group's masks are built per window once a
+step), soft-capping and learned sinks take an explicit softmax (SDPA has neither), HF's
+arithmetic: scores in the model dtype, the softmax in fp32. Models with such layers go through
+the torch path here, not the C++ kernel.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, BatchLayout
-from engine.config import CPU_ATTENTION
+from engine.config import CPU_ATTENTION, FULL, LayerAttention
 from engine.layers.rotary import apply_rotary
 from pdkernels import cpu_attention, cpu_build, cpu_ops
 
@@ -57,13 +63,23 @@ class QueryGroup:
     rows:   [Bg, Q] long, the step's row of each query (padding repeats a real row);
     real:   [Bg * Q] bool, which of those are real queries (None when all are: Q == 1);
     blocks: [Bg, nb_max] long, each sequence's block table padded with block 0;
-    mask:   [Bg, 1, Q, nb_max * block_size] bool, True where a query may attend the position.
+    mask:   [Bg, 1, Q, nb_max * block_size] bool, True where a query may attend the position;
+    limit:  [Bg, 1, Q, 1] long, one past each query's position (for `window_mask`).
     """
 
     rows: torch.Tensor
     real: torch.Tensor | None
     blocks: torch.Tensor
     mask: torch.Tensor
+    limit: torch.Tensor | None = None
+    _windows: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """The mask of a sliding layer: each query's last `window` positions (built once)."""
+        if window not in self._windows:
+            pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            self._windows[window] = self.mask & (pos >= self.limit - window)
+        return self._windows[window]
 
     @classmethod
     def build(cls, seqs: list[int], tables: list[list[int]], starts: list[int], q_lens: list[int],
@@ -87,7 +103,8 @@ class QueryGroup:
         if q > 1:
             real = (torch.arange(q)[None, :] < torch.tensor([q_lens[i] for i in seqs])[:, None])
             real = real.view(-1).to(device)
-        return cls(rows.to(device), real, blocks.to(device), mask[:, None].to(device))
+        return cls(rows.to(device), real, blocks.to(device), mask[:, None].to(device),
+                   limit[:, None, :, None].to(device))
 
 
 @dataclass(frozen=True)
@@ -224,19 +241,23 @@ def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal attention of each sequence's new queries over its whole context.
+                    meta: AttentionMetadata, scale: float, spec: LayerAttention = FULL,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its whole context (its last
+    spec.window positions on a sliding layer; soft-capped scores and sinks where spec says).
 
     q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] (already stored in `cache`).
     Returns [T, heads, head_dim].
     """
     out = torch.empty_like(q)
     if meta.kernel is not None:
+        if not spec.plain:
+            raise ValueError(f"the CPU attention kernel does not take {spec.features()}")
         b = meta.kernel
         cpu_attention.paged_attention(q, cache[0], cache[1], out, b.block_tables, b.seq_lens,
                                       b.q_start, b.q_lens, scale)
     for group in meta.groups:
-        o = _grouped_attention(q, cache, group, scale)                    # [Bg * Q, H, D]
+        o = _grouped_attention(q, cache, group, scale, spec, sinks)       # [Bg * Q, H, D]
         if group.real is None:
             out[group.rows.view(-1)] = o
         else:
@@ -248,12 +269,24 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
             ks, vs = k[start:end], v[start:end]
         else:
             ks, vs = gather_kv(cache, meta.block_tables[i], seq_len)
-        out[start:end] = _attend(q[start:end], ks, vs, scale, meta.masks[i])
+        mask = meta.masks[i]
+        if spec.window:
+            mask = window_mask(seq_len - (end - start), end - start, spec.window, q.device)
+        out[start:end] = _attend(q[start:end], ks, vs, scale, mask, spec, sinks)
     return out
 
 
-def _grouped_attention(q: torch.Tensor, cache: torch.Tensor, group: QueryGroup,
-                       scale: float) -> torch.Tensor:
+def window_mask(start: int, n: int, window: int, device) -> torch.Tensor:
+    """[n, start + n] bool: query j (at position start + j) sees positions p with
+    start + j - window < p <= start + j."""
+    pos = torch.arange(start + n, device=device)[None, :]
+    at = torch.arange(start, start + n, device=device)[:, None]
+    return (pos <= at) & (pos > at - window)
+
+
+def _grouped_attention(q: torch.Tensor, cache: torch.Tensor, group: QueryGroup, scale: float,
+                       spec: LayerAttention = FULL, sinks: torch.Tensor | None = None
+                       ) -> torch.Tensor:
     """A group's padded queries over their padded contexts. Returns [Bg * Q, heads, head_dim]."""
     _, _, block_size, kv_heads, head_dim = cache.shape
     bg, nb = group.blocks.shape
@@ -262,20 +295,50 @@ def _grouped_attention(q: torch.Tensor, cache: torch.Tensor, group: QueryGroup,
     v = _gather_blocks(cache[1], flat).view(bg, nb * block_size, kv_heads, head_dim)
     k, v = k.transpose(1, 2), v.transpose(1, 2)                          # [Bg, KVH, L, D]
     qg = q[group.rows].transpose(1, 2)                                    # [Bg, H, Q, D]
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.mask, scale=scale,
-                                       enable_gqa=True)                   # [Bg, H, Q, D]
+    mask = group.window_mask(spec.window) if spec.window else group.mask
+    o = sdpa(qg, k, v, mask, False, scale, spec, sinks)                  # [Bg, H, Q, D]
     return o.transpose(1, 2).reshape(-1, q.shape[1], head_dim)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-            mask: torch.Tensor | None) -> torch.Tensor:
+            mask: torch.Tensor | None, spec: LayerAttention = FULL,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [q_len, heads, d]; k, v: [kv_len, kv_heads, d]; queries are the last q_len positions
     (mask: [q_len, kv_len] when 1 < q_len < kv_len)."""
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))   # [1, heads, len, d]
     causal = mask is None and 1 < q.shape[0] == k.shape[0]
-    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale,
-                                       enable_gqa=True)
+    o = sdpa(qh, kh, vh, mask, causal, scale, spec, sinks)
     return o.squeeze(0).transpose(0, 1)                                  # [q_len, heads, d]
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+         causal: bool, scale: float, spec: LayerAttention = FULL,
+         sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, Q, D] over k, v [B, KVH, L, D] (queries the last Q positions); mask
+    broadcastable to [B, H, Q, L]. With soft-capping or sinks, the explicit softmax (HF's eager
+    arithmetic: scores in q's dtype, the softmax in fp32; a sink is a logit of its own per head
+    that takes its share of the mass and has no value)."""
+    if not spec.softcap and sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              scale=scale, enable_gqa=True)
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale                # [B, H, Q, L]
+    if spec.softcap:
+        scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    if causal:
+        ql, kl = scores.shape[-2:]
+        mask = torch.ones(ql, kl, dtype=torch.bool, device=q.device).tril(kl - ql)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        b, h, ql, _ = scores.shape
+        scores = torch.cat([scores, sinks.to(scores.dtype).view(1, h, 1, 1).expand(b, h, ql, 1)],
+                           dim=-1)
+    probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return torch.matmul(probs, v)
 
 
 def use_cpu_kernel(choice: str, device: torch.device, head_dim: int, block_size: int,
@@ -321,8 +384,13 @@ class TorchBackend(AttentionBackend):
         elem = torch.empty((), dtype=self.dtype).element_size()
         self.group_tokens = _group_tokens(self.device, self.model.num_kv_heads,
                                           self.model.head_dim, elem)
-        self.kernel = use_cpu_kernel(cpu_attention, self.device, self.model.head_dim,
-                                     self.block_size, self.dtype)
+        special = self.model.attention_features
+        if special and cpu_attention == "avx2":
+            raise ValueError(f"--cpu-attention avx2: the CPU attention kernel does not take "
+                             f"{', '.join(special)} yet (this model's layers use them)")
+        self.kernel = not special and use_cpu_kernel(cpu_attention, self.device,
+                                                     self.model.head_dim, self.block_size,
+                                                     self.dtype)
         if self.kernel and cpu_ops.available():   # norms and rotary in one pass too
             self.kernels = "cpu"
 
@@ -334,11 +402,12 @@ class TorchBackend(AttentionBackend):
                                        self.block_size, self.device, self.group_tokens,
                                        self.kernel)
 
-    def forward(self, q, k, v, rope, cache, meta: AttentionMetadata, scale: float):
+    def forward(self, q, k, v, rope, cache, meta: AttentionMetadata, scale: float,
+                spec: LayerAttention = FULL, sinks: torch.Tensor | None = None):
         cos, sin = rope
         if self.kernels == "cpu" and cpu_ops.usable_rotary(q, cos):
             q, k = cpu_ops.rotary_(q, cos, sin), cpu_ops.rotary_(k, cos, sin)
         else:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         store_kv(cache, k, v, meta.slot_mapping)
-        return paged_attention(q, k, v, cache, meta, scale)                # [T, H, D]
+        return paged_attention(q, k, v, cache, meta, scale, spec, sinks)   # [T, H, D]

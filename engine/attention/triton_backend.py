@@ -160,7 +160,10 @@ class TritonBackend(AttentionBackend):
         h["slot_mapping"][:int(qsl[n])] = block * bs + pos % bs
         return count
 
-    def forward(self, q, k, v, rope, cache, meta: TritonMetadata, scale: float):
+    def forward(self, q, k, v, rope, cache, meta: TritonMetadata, scale: float, spec=None,
+                sinks=None):
+        if spec is not None and not spec.plain:      # refused at start (base.resolve_backend_name)
+            raise ValueError(f"the triton attention backend does not take {spec.features()}")
         cos, sin = rope
         k_cache, v_cache = cache[0], cache[1]
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, q=q, cos=cos[:, 0], sin=sin[:, 0])

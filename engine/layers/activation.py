@@ -1,4 +1,5 @@
-"""SiLU-and-mul, the MLP's activation over the merged gate/up projection."""
+"""The gated MLP's activations over the merged gate/up projection: SiLU-and-mul (SwiGLU) and
+GELU(tanh)-and-mul (GeGLU, Gemma)."""
 
 from __future__ import annotations
 
@@ -22,3 +23,11 @@ class SiluAndMul(nn.Module):
             return self._triton(x)
         gate, up = x.chunk(2, dim=-1)                                    # [T, I] each
         return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """[T, 2 * I] (gate, then up) -> [T, I] = gelu_tanh(gate) * up (HF's gelu_pytorch_tanh)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

@@ -75,7 +75,8 @@ class AcrossHeadsRMSNorm(nn.Module):
 
 
 class GQAAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, opts: LayerOptions) -> None:
+    def __init__(self, cfg: ModelConfig, opts: LayerOptions, layer: int = 0,
+                 norm_cls=RMSNorm) -> None:
         super().__init__()
         tp, d = opts.tp, cfg.head_dim
         q_first, self.num_heads = head_range(cfg.num_heads, tp.size, tp.rank)
@@ -91,8 +92,8 @@ class GQAAttention(nn.Module):
                                         opts.linear, tp)
         self.qk_norm = "head" if cfg.qk_norm else "all" if cfg.qk_norm_across_heads else None
         if self.qk_norm == "head":
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, opts.kernels)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, opts.kernels)
+            self.q_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps, opts.kernels)
+            self.k_norm = norm_cls(cfg.head_dim, cfg.rms_norm_eps, opts.kernels)
         elif self.qk_norm == "all":
             kv_replicas = max(tp.size // cfg.num_kv_heads, 1)
             self.q_norm = AcrossHeadsRMSNorm(q_first, self.num_heads, cfg.num_heads, d,
@@ -103,7 +104,8 @@ class GQAAttention(nn.Module):
         self.perm, self._perm_args = None, None
         if cfg.rope_dim != d:
             self._perm_args = (d, cfg.rope_dim)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, d, opts.attention)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, opts.attention,
+                              cfg.attention_of(layer), cfg.query_scale, q_first, cfg.num_heads)
 
     def init_buffers(self, device) -> None:
         if self._perm_args is not None:
@@ -127,9 +129,10 @@ class GQAAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, opts: LayerOptions, mlp: nn.Module) -> None:
+    def __init__(self, cfg: ModelConfig, opts: LayerOptions, mlp: nn.Module, layer: int = 0
+                 ) -> None:
         super().__init__()
-        self.self_attn = GQAAttention(cfg, opts)
+        self.self_attn = GQAAttention(cfg, opts, layer)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.kernels)
@@ -147,12 +150,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, opts: LayerOptions, make_mlp) -> None:
+    def __init__(self, cfg: ModelConfig, opts: LayerOptions, make_mlp, layer_cls=DecoderLayer,
+                 norm_cls=RMSNorm) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, opts.tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, opts, make_mlp(cfg, opts, i))
+        self.layers = nn.ModuleList(layer_cls(cfg, opts, make_mlp(cfg, opts, i), i)
                                     for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts.kernels)
+        self.norm = norm_cls(cfg.hidden_size, cfg.rms_norm_eps, opts.kernels)
 
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
@@ -173,14 +177,23 @@ class DecoderLM(nn.Module):
     PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     RENAMES: dict[str, str] = {}     # substring of a checkpoint name -> ours
+    LAYER = DecoderLayer             # the decoder layer (a family may arrange its norms)
+    NORM = RMSNorm                   # the final norm
     EXTRA_LAYERS = False             # the checkpoint has next-token-prediction layers past the
     #                                  decoder's (unused here)
 
     def __init__(self, cfg: ModelConfig, opts: LayerOptions) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, opts, type(self).make_mlp)
+        cls = type(self)
+        self.model = DecoderModel(cfg, opts, cls.make_mlp, cls.LAYER, cls.NORM)
         self.rotary = RotaryEmbedding(cfg)
+        # layers with a rotary of their own (a base or scaling other than the model's): each
+        # distinct one computed once per forward pass
+        own = [(a.rope_theta, a.rope_scaling) for a in map(cfg.attention_of, range(cfg.num_layers))]
+        distinct = sorted({k for k in own if k != (0.0, None)}, key=repr)
+        self.rotaries = nn.ModuleList(RotaryEmbedding(cfg, *k) for k in distinct)
+        self._rope_of = [0 if k == (0.0, None) else 1 + distinct.index(k) for k in own]
         self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, False,
                                             opts.head_linear, opts.tp)
 
@@ -189,7 +202,7 @@ class DecoderLM(nn.Module):
         """Layer `layer`'s feed-forward: an MoE layer where the config says so, else dense."""
         if cfg.is_moe_layer(layer):
             return MoE(cfg, opts)
-        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, opts)
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, opts, act=cfg.hidden_act)
 
     def checkpoint_target(self, name: str) -> tuple[str | None, object]:
         """Checkpoint tensor name -> (our parameter name, shard), or (None, None) for a tensor
@@ -226,14 +239,23 @@ class DecoderLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
                 meta) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)                           # [T, hidden]
-        rope = self.rotary(positions, x.dtype)                           # cos, sin [T, 1, D]
+        x = self.embed(input_ids)                                        # [T, hidden]
+        ropes = [self.rotary(positions, x.dtype)]                        # cos, sin [T, 1, D]
+        ropes += [r(positions, x.dtype) for r in self.rotaries]
         residual = None
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, rope, kv[i], meta)
+            x, residual = layer(x, residual, ropes[self._rope_of[i]], kv[i], meta)
         x, _ = self.model.norm(x, residual)
         return x
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [S, hidden] -> logits [S, vocab] in float32."""
-        return self.lm_head.gather(self.lm_head(hidden)).float()
+        """hidden [S, hidden] -> logits [S, vocab] in float32 (soft-capped where the model
+        says)."""
+        logits = self.lm_head.gather(self.lm_head(hidden)).float()
+        cap = self.config.final_logit_softcap
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -1,4 +1,6 @@
-"""Rotary position embeddings (rotate-half layout), with Llama 3 frequency scaling.
+"""Rotary position embeddings (rotate-half layout), with Llama 3 and linear frequency scaling.
+A layer may have its own base and scaling (ModelConfig.layer_attention: Gemma 3's local
+layers); the decoder computes each distinct rotary once per forward pass.
 
 Partial rotary (ModelConfig.rotary_dim): angle 0 (cos 1, sin 0) for the dims that do not
 rotate; engine.layers.decoder orders each head's dims so that this is the model's arithmetic.
@@ -17,11 +19,16 @@ from torch import nn
 from engine.config import ModelConfig
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """[rope_dim / 2] inverse frequencies, with Llama 3 scaling when the config asks for it."""
+def rope_inv_freq(cfg: ModelConfig, theta: float = 0.0, rope_scaling: tuple | None = None
+                  ) -> torch.Tensor:
+    """[rope_dim / 2] inverse frequencies of base `theta` (0: the model's), with the scaling
+    `rope_scaling` (None: the model's) asks for."""
     d = cfg.rope_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
-    scaling = dict(cfg.rope_scaling)
+    theta = theta or cfg.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float) / d))
+    scaling = dict(cfg.rope_scaling if rope_scaling is None else rope_scaling)
+    if scaling.get("rope_type") == "linear":
+        return inv / scaling["factor"]
     if scaling.get("rope_type") == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -47,14 +54,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, theta: float = 0.0, rope_scaling: tuple | None = None
+                 ) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.cfg, self.args = cfg, (theta, rope_scaling)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg, *self.args), persistent=False)
 
     def init_buffers(self, device: str | torch.device) -> None:
         """Rebuild the buffer after the model was built on the meta device."""
-        self.inv_freq = rope_inv_freq(self.cfg).to(device)
+        self.inv_freq = rope_inv_freq(self.cfg, *self.args).to(device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:

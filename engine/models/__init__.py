@@ -14,8 +14,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable
 
-FAMILY_MODULES = ("llama", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe",
-                  "minimax_m2")
+FAMILY_MODULES = ("llama", "mistral", "gemma", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+                  "glm4_moe", "minimax_m2")
 
 DENSE_QUANT = ("int8", "gptq", "awq", "compressed-tensors")
 MOE_QUANT = ("int8",)
@@ -91,7 +91,10 @@ a test keeps it equal to the registry. A family is served by the HF `architectur
 checkpoint of another architecture is refused at start, naming these. Each family is tested on
 tiny random models against HF transformers (fp32 logits of every position through chunked
 prefill and the paged cache, greedy tokens of a batch: tests/test_model_parity.py,
-tests/test_moe_models.py). What the engine does around the model (tensor parallelism with
+tests/test_moe_models.py, tests/test_attention_families.py). Models with sliding windows,
+soft-capped scores or attention sinks run the torch attention backend (also on CUDA: the
+Triton kernels and the C++ CPU kernel do not take them yet) and keep every block of a
+sequence (no sliding layer frees the blocks its window has passed yet). What the engine does around the model (tensor parallelism with
 `--tensor-parallel-size`, prefill and decode pools of different sizes, KV transfer over grpc,
 nixl or torch, the prefix cache, n-gram and draft-model speculation, structured outputs, beam
 search, prompt logprobs) does not depend on the family; what does is in the table. Expert

@@ -1,0 +1,109 @@
+"""Families whose attention differs by layer (engine.config.LayerAttention) against HF
+transformers on tiny random models: Mistral (every layer sliding), Gemma 2 (sliding and global
+layers alternating, soft-capped scores and logits), Gemma 3 (five sliding layers to one global,
+a local rotary base, q/k norms), Qwen2 with use_sliding_window. The windows are shorter than the
+prompts and the chunked prefill's chunks cross their edges; fp32 logits of every position, then
+greedy tokens of a batch through the engine (decodes grouped, short queries after a cached
+prefix)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from engine.config import EngineConfig, ModelConfig
+from engine.engine import Engine
+from engine.request import Request, SamplingParams
+from pdserve.gpucheck import engine_logits
+from tests.cpu_paths import linear_params
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=256, rms_norm_eps=1e-6)
+WINDOW = 7
+FAMILIES = {
+    "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"],
+                    sliding_window=WINDOW, tie_word_embeddings=False),
+    "qwen2-sliding": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"],
+                          use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+                          tie_word_embeddings=False),
+    "gemma2": dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"],
+                   sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                   final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh",
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "gemma3_text": dict(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"],
+                        sliding_window=WINDOW, query_pre_attn_scalar=24,
+                        hidden_activation="gelu_pytorch_tanh",
+                        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                        rope_parameters={"sliding_attention": {"rope_type": "default",
+                                                               "rope_theta": 10000.0},
+                                         "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                            "rope_theta": 1e6}}),
+}
+
+
+def make_model(tmp_path, family: str):
+    spec = dict(TINY, **FAMILIES[family])
+    cfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    cfg.initializer_range = 0.2            # peaked: greedy ties do not flip
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():       # random norms and biases: every weight matters
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.3)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+    hf.save_pretrained(tmp_path)
+    return hf
+
+
+@pytest.mark.parametrize("linear", linear_params())
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_match_hf_across_the_window(tmp_path, family, linear):
+    hf = make_model(tmp_path, family)
+    mc = ModelConfig.from_dir(tmp_path)
+    windows = [mc.attention_of(i).window for i in range(mc.num_layers)]
+    want = {"mistral": [WINDOW] * 3, "qwen2-sliding": [0, WINDOW, WINDOW],
+            "gemma2": [WINDOW, 0, WINDOW], "gemma3_text": [WINDOW, WINDOW, 0]}[family]
+    assert windows == want
+    eng = Engine(tmp_path, EngineConfig(num_blocks=32, block_size=4, max_num_batched_tokens=64,
+                                        linear_method=linear), mc)
+    assert not eng.runner.backend.kernel             # the C++ kernel takes no windows yet
+    ids = torch.randint(0, 128, (1, 37), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits[0]                                          # [37, vocab]
+    got = engine_logits(eng, ids[0].tolist())       # chunks of 16: across the window's edge
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "mistral"])
+def test_greedy_generate_matches_hf(tmp_path, family):
+    """A batch decoded together (grouped decodes under per-layer windows), a prompt whose
+    prefix is cached (a short query after it), generation well past the window."""
+    hf = make_model(tmp_path, family)
+    eng = Engine(tmp_path, EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=8))
+    prompts = [[5, 9, 17, 3, 3, 100, 41, 8, 8, 2], [7] * 13, [5, 9, 17, 3, 3, 100, 41, 8, 1]]
+    got: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        eng.add_request(Request(str(i), p, SamplingParams(temperature=0, max_tokens=16,
+                                                          ignore_eos=True)))
+        got[str(i)] = []
+    while eng.has_work():
+        for o in eng.step():
+            got[o.request_id].extend(o.new_token_ids)
+    for i, p in enumerate(prompts):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        assert got[str(i)] == ref, i
+    assert eng.pool.num_free == eng.pool.num_blocks
+
+
+def test_kernels_that_take_no_windows_are_refused_by_name(tmp_path):
+    make_model(tmp_path, "gemma2")
+    with pytest.raises(ValueError, match="CPU attention kernel does not take sliding windows, "
+                                         "logit soft-capping"):
+        Engine(tmp_path, EngineConfig(num_blocks=8, block_size=4, cpu_attention="avx2"))
+    with pytest.raises(ValueError, match="triton attention backend does not take sliding"):
+        Engine(tmp_path, EngineConfig(num_blocks=8, block_size=4, attention_backend="triton"))
