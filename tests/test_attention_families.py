@@ -43,8 +43,8 @@ FAMILIES = {
 }
 
 
-def make_model(tmp_path, family: str):
-    spec = dict(TINY, **FAMILIES[family])
+def make_model(tmp_path, family: str, **overrides):
+    spec = {**TINY, **FAMILIES[family], **overrides}
     cfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
     cfg.initializer_range = 0.2            # peaked: greedy ties do not flip
     torch.manual_seed(0)
