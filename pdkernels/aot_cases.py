@@ -100,8 +100,10 @@ def _fused_qkv(shape: ModelShape, tokens: int, dtype):
 # Attention (engine.attention.triton_backend)
 
 
-def _attend(shape: ModelShape, dtype, block_size: int, q_len: int, num_splits: int) -> None:
-    """One TritonBackend.forward attention launch for a step whose longest query is q_len."""
+def _attend(shape: ModelShape, dtype, block_size: int, q_len: int, num_splits: int,
+            layer: bool = False) -> None:
+    """One TritonBackend.forward attention launch for a step whose longest query is q_len
+    (layer: with a sliding window, soft-capping and sinks, Gemma 2 / gpt-oss layers)."""
     i32 = torch.int32
     q, _, _ = _fused_qkv(shape, q_len, dtype)
     cache = torch.empty(2, NUM_BLOCKS, block_size, shape.kv_heads, shape.head_dim, dtype=dtype)
@@ -117,7 +119,8 @@ def _attend(shape: ModelShape, dtype, block_size: int, q_len: int, num_splits: i
         tile_seq=torch.empty(2 * MAX_SEQS, dtype=i32),
         tile_start=torch.empty(2 * MAX_SEQS, dtype=i32),
         num_tiles=1, block_m=block_m, scale=shape.head_dim ** -0.5, num_splits=num_splits,
-        partial_out=scratch[0] if split else None, partial_lse=scratch[1] if split else None)
+        partial_out=scratch[0] if split else None, partial_lse=scratch[1] if split else None,
+        **(dict(window=128, softcap=50.0, sinks=torch.empty(shape.heads)) if layer else {}))
 
 
 def attention(shape: ModelShape, dtype, matrix: Matrix) -> Iterator[tuple[str, Call]]:
@@ -135,6 +138,12 @@ def attention(shape: ModelShape, dtype, matrix: Matrix) -> Iterator[tuple[str, C
             if n > 1:
                 yield (f"{shape.name} bs{bs} decode x{b} {n} splits",
                        partial(_attend, shape, dtype, bs, 1, n))
+    bs = matrix.block_sizes[0]           # a sliding, soft-capped layer with sinks
+    for q_len in matrix.query_lens:
+        yield (f"{shape.name} bs{bs} {_phase(q_len)} window+softcap+sinks",
+               partial(_attend, shape, dtype, bs, q_len, 1, True))
+    yield (f"{shape.name} bs{bs} decode 4 splits window+softcap+sinks",
+           partial(_attend, shape, dtype, bs, 1, 4, True))
 
 
 def _store(shape: ModelShape, dtype, block_size: int) -> None:

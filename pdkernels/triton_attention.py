@@ -10,6 +10,11 @@ in place through block_tables[i] (entry pos // block_size, slot pos % block_size
 chunks after cached context, decodes and speculative verification mix freely in one batch.
 A sequence with seq_lens[i] == 0 (a padding row of a CUDA-graph batch) gets zeros, reads no KV.
 
+A layer may add (engine.config.LayerAttention): `window` > 0, a query attends only its last
+`window` positions (tiles before the window are not visited); `softcap` > 0, each score s (scaled)
+becomes softcap * tanh(s / softcap); `sinks` [num_heads] fp32, a logit per head that joins each
+row's softmax and has no value (in split-KV, split 0 adds it).
+
 Work decomposition. The host plans "tiles" (plan_tiles): one sequence x up to block_q consecutive
 queries x one kv head; the tile's rows (block_m, a power of two >= 16) pack (query, head of the kv
 group) pairs, so the qpk query heads of a kv head share every K/V tile loaded. A tile visits only
@@ -110,11 +115,15 @@ def _dot(a, b, IEEE: tl.constexpr):
 @triton.jit
 def _attend_kv(acc, m_i, l_i, q, pos, seq, kvh, t_lo, t_hi, kv_end,
                k_ptr, v_ptr, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh, scale_log2,
+               window, softcap,
                HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr):
+               BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr, SLIDING: tl.constexpr,
+               SOFTCAP: tl.constexpr):
     """Online softmax of q [BLOCK_M, HEAD_PAD] over KV tiles t_lo..t_hi-1 of one sequence's kv head.
     acc [BLOCK_M, HEAD_PAD], m_i / l_i [BLOCK_M] (log2 domain); pos [BLOCK_M]: the rows'
-    positions. Keys past kv_end are never loaded (nor their block-table entries)."""
+    positions. Keys past kv_end are never loaded (nor their block-table entries). SLIDING: keys
+    at or before pos - window are masked; SOFTCAP: scores soft-capped (scale_log2 is then the
+    natural scale, the log2 factor applied after the cap)."""
     d = tl.arange(0, HEAD_PAD)
     d_ok = d < HEAD_DIM
     for t in range(t_lo, t_hi):
@@ -125,7 +134,12 @@ def _attend_kv(acc, m_i, l_i, q, pos, seq, kvh, t_lo, t_hi, kv_end,
         kt = tl.load(k_ptr + off[None, :] + d[:, None],                    # [HEAD_PAD, BLOCK_N]
                      mask=d_ok[:, None] & n_ok[None, :], other=0.0)
         s = _dot(q, kt, IEEE) * scale_log2                                 # [BLOCK_M, BLOCK_N]
-        s = tl.where((n[None, :] <= pos[:, None]) & n_ok[None, :], s, float("-inf"))
+        if SOFTCAP:               # cap * tanh(s / cap), tanh(x) = 1 - 2 / (exp(2x) + 1)
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0)) * 1.4426950408889634
+        seen = (n[None, :] <= pos[:, None]) & n_ok[None, :]
+        if SLIDING:
+            seen = seen & (n[None, :] > pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -141,11 +155,13 @@ def _attend_kv(acc, m_i, l_i, q, pos, seq, kvh, t_lo, t_hi, kv_end,
 def _paged_attention_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
         bt_ptr, seq_lens_ptr, qsl_ptr, tile_seq_ptr, tile_start_ptr, scale_log2,
+        window, softcap, sinks_ptr,
         stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
         stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_bt,
         QPK: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        SPLIT: tl.constexpr, IEEE: tl.constexpr):
+        SPLIT: tl.constexpr, IEEE: tl.constexpr, SLIDING: tl.constexpr = False,
+        SOFTCAP: tl.constexpr = False, SINKS: tl.constexpr = False):
     """Program (tile, kv head, split). Writes out rows (normalized, out's dtype) or, when SPLIT,
     its split's normalized partial rows and their log-sum-exp."""
     tile = tl.program_id(0)
@@ -170,17 +186,29 @@ def _paged_attention_kernel(
                 mask=io_mask, other=0.0)                      # [BLOCK_M, HEAD_PAD]
 
     kv_end = tl.maximum(context + tl.minimum(q_first + BLOCK_Q, q_len), 0)
-    n_tiles = tl.cdiv(kv_end, BLOCK_N)
+    first_tile = 0
+    if SLIDING:                    # the tile's first query sees nothing before its window
+        first_tile = tl.maximum(context + q_first - window + 1, 0) // BLOCK_N
+    n_tiles = tl.cdiv(kv_end, BLOCK_N) - first_tile
     per_split = tl.cdiv(n_tiles, tl.num_programs(2))
-    t_lo = split * per_split
-    t_hi = tl.minimum(t_lo + per_split, n_tiles)
+    t_lo = first_tile + split * per_split
+    t_hi = tl.minimum(t_lo + per_split, first_tile + n_tiles)
 
     acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = _attend_kv(acc, m_i, l_i, q, pos, seq, kvh, t_lo, t_hi, kv_end,
                                k_ptr, v_ptr, bt_ptr, stride_bt, stride_kb, stride_ks, stride_kh,
-                               scale_log2, HEAD_DIM, HEAD_PAD, BLOCK_N, BLOCK_SIZE, IEEE)
+                               scale_log2, window, softcap, HEAD_DIM, HEAD_PAD, BLOCK_N,
+                               BLOCK_SIZE, IEEE, SLIDING, SOFTCAP)
+    if SINKS:                     # the head's sink logit joins the softmax once (split 0)
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+        sink = tl.where(split == 0, sink, float("-inf"))
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha + tl.exp2(sink - m_new)
+        m_i = m_new
 
     has = l_i > 0.0                                           # rows that saw at least one key
     acc = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -254,7 +282,8 @@ def _check_attention_args(q, k_cache, v_cache, out, block_tables, seq_lens, quer
 
 def paged_attention(q, k_cache, v_cache, out, *, block_tables, seq_lens, query_start_loc,
                     tile_seq, tile_start, num_tiles: int, block_m: int, scale: float,
-                    num_splits: int = 1, partial_out=None, partial_lse=None) -> None:
+                    num_splits: int = 1, partial_out=None, partial_lse=None, window: int = 0,
+                    softcap: float = 0.0, sinks=None) -> None:
     """Causal paged attention of the ragged batch, written into out [T, num_heads, head_dim].
 
     q [T, num_heads, head_dim] (last dim contiguous); k_cache, v_cache [num_blocks, block_size,
@@ -262,7 +291,11 @@ def paged_attention(q, k_cache, v_cache, out, *, block_tables, seq_lens, query_s
     query_start_loc [B_cap + 1], tile_seq / tile_start [>= num_tiles]: all int32 on q's device.
     The tiles (plan_tiles with attention_tile_shape's block_q for this block_m) must cover every
     row of out. num_splits > 1 needs partial_out / partial_lse from split_scratch (allocated here
-    when omitted, which breaks CUDA-graph capture)."""
+    when omitted, which breaks CUDA-graph capture). window, softcap, sinks ([num_heads] fp32 on
+    q's device): what the module docstring says."""
+    if sinks is not None:
+        assert sinks.dtype == torch.float32 and sinks.shape == (q.shape[1],) and \
+            sinks.device == q.device, f"sinks: fp32 [{q.shape[1]}] on q's device"
     _check_attention_args(q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
                           tile_seq, tile_start, num_tiles, block_m)
     if num_tiles == 0:
@@ -286,12 +319,15 @@ def paged_attention(q, k_cache, v_cache, out, *, block_tables, seq_lens, query_s
     fp32 = q.dtype == torch.float32
     _paged_attention_kernel[(num_tiles, kv_heads, num_splits)](
         q, k_cache, v_cache, dst, lse,
-        block_tables, seq_lens, query_start_loc, tile_seq, tile_start, scale * LOG2E,
+        block_tables, seq_lens, query_start_loc, tile_seq, tile_start,
+        scale if softcap else scale * LOG2E, window, float(softcap),
+        sinks if sinks is not None else seq_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         *d_strides, *l_strides, block_tables.stride(0),
         QPK=qpk, HEAD_DIM=head_dim, HEAD_PAD=max(triton.next_power_of_2(head_dim), 16),
         BLOCK_M=block_m, BLOCK_Q=block_m // qpk, BLOCK_N=BLOCK_N_FP32 if fp32 else BLOCK_N,
-        BLOCK_SIZE=block_size, SPLIT=split, IEEE=fp32,
+        BLOCK_SIZE=block_size, SPLIT=split, IEEE=fp32, SLIDING=window > 0,
+        SOFTCAP=softcap > 0, SINKS=sinks is not None,
         num_warps=4 if block_m <= 64 else 8, num_stages=2 if fp32 else 3)
     if split:
         merge_splits(partial_out, partial_lse, out, num_splits)
@@ -325,7 +361,8 @@ def merge_splits(partial_out, partial_lse, out, num_splits: int) -> None:
 # Reference
 
 
-def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
+def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                        window: int = 0, softcap: float = 0.0, sinks=None):
     """The same attention in plain torch, one sequence at a time, in fp32; returns q's dtype.
     Sequences are read until query_start_loc reaches T = q.shape[0]."""
     t, num_heads, head_dim = q.shape
@@ -347,8 +384,18 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start
         v = v.repeat_interleave(qpk, dim=1).transpose(0, 1)
         qs = q[lo:hi].float().transpose(0, 1)                                   # [H, n, D]
         scores = qs @ k.transpose(1, 2) * scale                                 # [H, n, L]
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         qpos = torch.arange(length - (hi - lo), length, device=q.device)
-        allowed = torch.arange(length, device=q.device)[None, :] <= qpos[:, None]
+        keys = torch.arange(length, device=q.device)[None, :]
+        allowed = keys <= qpos[:, None]
+        if window:
+            allowed &= keys > qpos[:, None] - window
         scores = scores.masked_fill(~allowed, float("-inf"))
-        out[lo:hi] = (scores.softmax(-1) @ v).transpose(0, 1)
+        if sinks is not None:
+            sink = sinks.float().view(-1, 1, 1).expand(-1, hi - lo, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        out[lo:hi] = (probs @ v).transpose(0, 1)
     return out.to(q.dtype)

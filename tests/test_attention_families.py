@@ -100,10 +100,8 @@ def test_greedy_generate_matches_hf(tmp_path, family):
     assert eng.pool.num_free == eng.pool.num_blocks
 
 
-def test_kernels_that_take_no_windows_are_refused_by_name(tmp_path):
+def test_the_cpu_kernel_that_takes_no_windows_is_refused_by_name(tmp_path):
     make_model(tmp_path, "gemma2")
     with pytest.raises(ValueError, match="CPU attention kernel does not take sliding windows, "
                                          "logit soft-capping"):
         Engine(tmp_path, EngineConfig(num_blocks=8, block_size=4, cpu_attention="avx2"))
-    with pytest.raises(ValueError, match="triton attention backend does not take sliding"):
-        Engine(tmp_path, EngineConfig(num_blocks=8, block_size=4, attention_backend="triton"))

@@ -159,6 +159,32 @@ def test_attention_split_kv_matches_unsplit(dtype):
         assert (out[padding_rows(b)] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window,softcap,sinks", [(40, 0.0, False), (0, 1.5, False),
+                                                  (0, 0.0, True), (9, 2.0, True)])
+def test_attention_sliding_softcap_sinks(dtype, window, softcap, sinks):
+    """A layer's window (tiles before it skipped), soft-capped scores and per-head sinks against
+    the reference, unsplit and split (split 0 adds the sink once), on mixed batches and decodes
+    whose contexts run far past the window."""
+    for specs, splits in ((MIXED, (1, 3)), (DECODES, (1, 2, 8))):
+        b = make_batch(specs, 2, 3, 40, 8, dtype, seed=4)
+        heads = b["q"].shape[1]
+        g = torch.Generator().manual_seed(5)
+        extra = dict(window=window, softcap=softcap,
+                     sinks=(torch.randn(heads, generator=g) * 2).to(b["q"].device)
+                     if sinks else None)
+        cache = b["cache"]
+        want = paged_attention_ref(b["q"], cache[0], cache[1], b["block_tables"],
+                                   b["seq_lens"], b["query_start_loc"], b["scale"], **extra)
+        for num_splits in splits:
+            out = torch.full(b["q"].shape, float("nan"), dtype=dtype, device=b["q"].device)
+            paged_attention(b["q"], cache[0], cache[1], out, **attention_kwargs(b),
+                            num_splits=num_splits, **extra)
+            assert not out.isnan().any()
+            _close(out, want, dtype)
+            assert (out[padding_rows(b)] == 0).all()
+
+
 def test_attention_split_kv_mixed_batch():
     """Splits also serve prompt chunks (odd head_dim, block_size 4), without scratch passed."""
     b = make_batch(MIXED, 1, 3, 40, 4, torch.float32, seed=3)

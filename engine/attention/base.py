@@ -118,17 +118,12 @@ def backend_names() -> list[str]:
 
 def resolve_backend_name(name: str, device: torch.device, model: ModelConfig | None = None
                          ) -> str:
-    """"auto": triton on CUDA, torch elsewhere, and torch for a model whose layers add what
-    the Triton kernels do not take yet (sliding windows, soft-capping, sinks)."""
-    special = model.attention_features if model is not None else []
+    """"auto": triton on CUDA, torch elsewhere."""
     if name == "auto":
-        return "triton" if device.type == "cuda" and not special else "torch"
+        return "triton" if device.type == "cuda" else "torch"
     if name not in _BACKENDS:
         raise ValueError(f"attention backend must be 'auto' or one of {backend_names()}, "
                          f"got {name!r}")
-    if name == "triton" and special:
-        raise ValueError(f"the triton attention backend does not take {', '.join(special)} "
-                         "yet (this model's layers use them): use --attention-backend torch")
     return name
 
 

@@ -15,6 +15,9 @@ resident tables and the step's rows gathered into step_tables [max_seqs, max_blo
 fixed-address table the kernels read. A padded sequence (CUDA-graph buckets) has one row,
 slot -1 (nothing stored), seq_len 0 (zero output).
 
+A layer's sliding window, soft-capping and sinks (engine.config.LayerAttention) go to the
+kernel as launch arguments.
+
 Decode-only batches with few sequences split each sequence's context across programs
 (split-KV) so the GPU fills up: the split count is fixed per batch size, so a graph replays
 with the launch it was captured with.
@@ -162,8 +165,6 @@ class TritonBackend(AttentionBackend):
 
     def forward(self, q, k, v, rope, cache, meta: TritonMetadata, scale: float, spec=None,
                 sinks=None):
-        if spec is not None and not spec.plain:      # refused at start (base.resolve_backend_name)
-            raise ValueError(f"the triton attention backend does not take {spec.features()}")
         cos, sin = rope
         k_cache, v_cache = cache[0], cache[1]
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, q=q, cos=cos[:, 0], sin=sin[:, 0])
@@ -175,5 +176,8 @@ class TritonBackend(AttentionBackend):
                            num_tiles=meta.num_tiles, block_m=meta.block_m, scale=scale,
                            num_splits=meta.num_splits,
                            partial_out=self.partial_out if split else None,
-                           partial_lse=self.partial_lse if split else None)
+                           partial_lse=self.partial_lse if split else None,
+                           window=spec.window if spec is not None else 0,
+                           softcap=spec.softcap if spec is not None else 0.0,
+                           sinks=sinks.float() if sinks is not None else None)
         return out

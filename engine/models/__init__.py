@@ -91,10 +91,11 @@ a test keeps it equal to the registry. A family is served by the HF `architectur
 checkpoint of another architecture is refused at start, naming these. Each family is tested on
 tiny random models against HF transformers (fp32 logits of every position through chunked
 prefill and the paged cache, greedy tokens of a batch: tests/test_model_parity.py,
-tests/test_moe_models.py, tests/test_attention_families.py). Models with sliding windows,
-soft-capped scores or attention sinks run the torch attention backend (also on CUDA: the
-Triton kernels and the C++ CPU kernel do not take them yet) and keep every block of a
-sequence (no sliding layer frees the blocks its window has passed yet). What the engine does around the model (tensor parallelism with
+tests/test_moe_models.py, tests/test_attention_families.py). Sliding windows, soft-capped
+scores and attention sinks run in the Triton kernels (CUDA) and the torch path (CPUs: the C++
+attention kernel does not take them yet, so these models attend through gather + SDPA there);
+a sliding layer still keeps every block of a sequence (freeing the blocks its window has
+passed is not done yet). What the engine does around the model (tensor parallelism with
 `--tensor-parallel-size`, prefill and decode pools of different sizes, KV transfer over grpc,
 nixl or torch, the prefix cache, n-gram and draft-model speculation, structured outputs, beam
 search, prompt logprobs) does not depend on the family; what does is in the table. Expert
