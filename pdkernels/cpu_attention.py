@@ -34,7 +34,7 @@ def _library() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.pdserve_paged_attention.argtypes = [
         ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64,
-        i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+        i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, i64, ctypes.c_float, ptr]
     lib.pdserve_paged_attention.restype = ctypes.c_int
     lib.pdserve_attention_max_block.restype = ctypes.c_int
     return lib
@@ -59,8 +59,12 @@ def supports(head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    q_start: torch.Tensor, q_lens: torch.Tensor, scale: float) -> None:
-    """Rows of the listed sequences of out [T, heads, head_dim] = their causal attention.
+                    q_start: torch.Tensor, q_lens: torch.Tensor, scale: float,
+                    window: int = 0, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> None:
+    """Rows of the listed sequences of out [T, heads, head_dim] = their causal attention
+    (within the last `window` positions, scores soft-capped, a sink logit per head [heads]
+    fp32: where given).
 
     q [T, heads, head_dim] (last dim contiguous), k_cache / v_cache [num_blocks, block_size,
     kv_heads, head_dim] (same strides, last dim contiguous), block_tables [n, W] int32 (row i:
@@ -78,6 +82,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     ("q_start", q_start), ("q_lens", q_lens)):
         if t.dtype != torch.int32 or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous int32 tensor, got {t.dtype}")
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
+        if sinks.shape != (q.shape[1],):
+            raise ValueError(f"sinks: [{q.shape[1]}] expected, got {tuple(sinks.shape)}")
     n = seq_lens.numel()
     if not n:
         return
@@ -87,7 +95,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.data_ptr(),
         block_tables.stride(0), seq_lens.data_ptr(), q_start.data_ptr(), q_lens.data_ptr(), n,
         out.data_ptr(), out.stride(0), out.stride(1), q.shape[1], kv_heads, head_dim,
-        block_size, scale, torch.get_num_threads())
+        block_size, scale, torch.get_num_threads(), window, softcap,
+        sinks.data_ptr() if sinks is not None else None)
     if rc != 0:
         raise ValueError(f"CPU attention kernel: unsupported shape (head_dim {head_dim}, "
                          f"block_size {block_size}); see supports()")

@@ -16,7 +16,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.request import Request, SamplingParams
 from pdserve.gpucheck import engine_logits
-from tests.cpu_paths import linear_params
+from tests.cpu_paths import attention_params, linear_params
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -59,9 +59,12 @@ def make_model(tmp_path, family: str, **overrides):
     return hf
 
 
+@pytest.mark.parametrize("attention", attention_params(head_dim=16, block_size=4))
 @pytest.mark.parametrize("linear", linear_params())
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_logits_match_hf_across_the_window(tmp_path, family, linear):
+def test_logits_match_hf_across_the_window(tmp_path, family, linear, attention):
+    """On every CPU path this host runs (--linear-method x --cpu-attention: the C++ kernel
+    takes the windows, soft-capping and sinks too)."""
     hf = make_model(tmp_path, family)
     mc = ModelConfig.from_dir(tmp_path)
     windows = [mc.attention_of(i).window for i in range(mc.num_layers)]
@@ -69,8 +72,8 @@ def test_logits_match_hf_across_the_window(tmp_path, family, linear):
             "gemma2": [WINDOW, 0, WINDOW], "gemma3_text": [WINDOW, WINDOW, 0]}[family]
     assert windows == want
     eng = Engine(tmp_path, EngineConfig(num_blocks=32, block_size=4, max_num_batched_tokens=64,
-                                        linear_method=linear), mc)
-    assert not eng.runner.backend.kernel             # the C++ kernel takes no windows yet
+                                        linear_method=linear, cpu_attention=attention), mc)
+    assert eng.runner.backend.kernel == (attention == "avx2")
     ids = torch.randint(0, 128, (1, 37), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(ids).logits[0]                                          # [37, vocab]
@@ -98,10 +101,3 @@ def test_greedy_generate_matches_hf(tmp_path, family):
                           eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         assert got[str(i)] == ref, i
     assert eng.pool.num_free == eng.pool.num_blocks
-
-
-def test_the_cpu_kernel_that_takes_no_windows_is_refused_by_name(tmp_path):
-    make_model(tmp_path, "gemma2")
-    with pytest.raises(ValueError, match="CPU attention kernel does not take sliding windows, "
-                                         "logit soft-capping"):
-        Engine(tmp_path, EngineConfig(num_blocks=8, block_size=4, cpu_attention="avx2"))

@@ -45,6 +45,27 @@ def test_kernel_matches_the_reference(heads, kv_heads, dim, bs):
     torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("window,softcap,sinks", [(20, 0.0, False), (0, 1.5, False),
+                                                  (0, 0.0, True), (9, 2.0, True)])
+def test_sliding_window_softcap_and_sinks_match_the_reference(window, softcap, sinks):
+    """A layer's window (the blocks wholly before every row's window are not read: their table
+    entries would crash), soft-capped scores, a sink logit per head."""
+    heads, kv_heads, dim, bs = 6, 2, 32, 4
+    seqs = [(40, 1), (0, 1), (15, 1), (33, 5), (100, 17), (3, 14)]
+    q, k, v, tables, (lens, starts, qlens), qsl = batch(seqs, heads, kv_heads, dim, bs)
+    g = torch.Generator().manual_seed(3)
+    sink = torch.randn(heads, generator=g) * 2 if sinks else None
+    extra = dict(window=window, softcap=softcap, sinks=sink)
+    want = paged_attention_ref(q, k, v, tables, lens, qsl, dim ** -0.5, **extra)
+    if window:
+        for i, (cached, _) in enumerate(seqs):        # before the first query's window: unread
+            tables[i, :max(cached - window + 1, 0) // bs] = 10**6
+    out = torch.full_like(q, float("nan"))
+    cpu_attention.paged_attention(q, k, v, out, tables, lens, starts, qlens, dim ** -0.5,
+                                  **extra)
+    torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
+
+
 def test_strided_q_and_cache_views_and_only_listed_sequences():
     seqs = [(20, 1), (7, 3)]
     q, k, v, tables, (lens, starts, qlens), qsl = batch(seqs, 6, 2, 32, 8)

@@ -23,8 +23,7 @@ most CPU_GROUP_BYTES of K/V per layer, so what it gathers is still in cache when
 A layer's attention may add to that (engine.config.LayerAttention): a sliding window narrows
 each query's mask to its last `window` positions (a group's masks are built per window once a
 step), soft-capping and learned sinks take an explicit softmax (SDPA has neither), HF's
-arithmetic: scores in the model dtype, the softmax in fp32. Models with such layers go through
-the torch path here, not the C++ kernel.
+arithmetic: scores in the model dtype, the softmax in fp32. The C++ kernel takes them too.
 """
 
 from __future__ import annotations
@@ -251,11 +250,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
     """
     out = torch.empty_like(q)
     if meta.kernel is not None:
-        if not spec.plain:
-            raise ValueError(f"the CPU attention kernel does not take {spec.features()}")
         b = meta.kernel
         cpu_attention.paged_attention(q, cache[0], cache[1], out, b.block_tables, b.seq_lens,
-                                      b.q_start, b.q_lens, scale)
+                                      b.q_start, b.q_lens, scale, spec.window, spec.softcap,
+                                      sinks)
     for group in meta.groups:
         o = _grouped_attention(q, cache, group, scale, spec, sinks)       # [Bg * Q, H, D]
         if group.real is None:
@@ -384,13 +382,8 @@ class TorchBackend(AttentionBackend):
         elem = torch.empty((), dtype=self.dtype).element_size()
         self.group_tokens = _group_tokens(self.device, self.model.num_kv_heads,
                                           self.model.head_dim, elem)
-        special = self.model.attention_features
-        if special and cpu_attention == "avx2":
-            raise ValueError(f"--cpu-attention avx2: the CPU attention kernel does not take "
-                             f"{', '.join(special)} yet (this model's layers use them)")
-        self.kernel = not special and use_cpu_kernel(cpu_attention, self.device,
-                                                     self.model.head_dim, self.block_size,
-                                                     self.dtype)
+        self.kernel = use_cpu_kernel(cpu_attention, self.device, self.model.head_dim,
+                                     self.block_size, self.dtype)
         if self.kernel and cpu_ops.available():   # norms and rotary in one pass too
             self.kernels = "cpu"
 

@@ -92,10 +92,9 @@ checkpoint of another architecture is refused at start, naming these. Each famil
 tiny random models against HF transformers (fp32 logits of every position through chunked
 prefill and the paged cache, greedy tokens of a batch: tests/test_model_parity.py,
 tests/test_moe_models.py, tests/test_attention_families.py). Sliding windows, soft-capped
-scores and attention sinks run in the Triton kernels (CUDA) and the torch path (CPUs: the C++
-attention kernel does not take them yet, so these models attend through gather + SDPA there);
-a sliding layer still keeps every block of a sequence (freeing the blocks its window has
-passed is not done yet). What the engine does around the model (tensor parallelism with
+scores and attention sinks run in every attention path (the Triton kernels, the C++ CPU
+kernel, gather + SDPA); a sliding layer does not read the blocks before its window but still
+keeps them (freeing them for that layer is not done yet). What the engine does around the model (tensor parallelism with
 `--tensor-parallel-size`, prefill and decode pools of different sizes, KV transfer over grpc,
 nixl or torch, the prefix cache, n-gram and draft-model speculation, structured outputs, beam
 search, prompt logprobs) does not depend on the family; what does is in the table. Expert

@@ -23,6 +23,10 @@
 // cache at 6 GB/s, 1.6x slower (docs/performance.md, "CPU attention"). exp is a vectorized
 // Cephes-style polynomial (relative error ~2e-7); masked keys contribute exactly 0.
 //
+// A layer may add: a sliding window (a query sees its last `window` positions; the blocks
+// wholly before every row's window are not read), soft-capped scores (softcap * tanh(s /
+// softcap)), and a sink logit per head that joins each row's softmax and has no value.
+//
 // Plain C ABI (no torch headers), loaded with ctypes by pdkernels/cpu_attention.py.
 
 #include <immintrin.h>
@@ -173,16 +177,22 @@ inline void by_width(int n, F f) {   // f(std::integral_constant<int, n>) for n 
     }
 }
 
-// Softmax of one row's scores s[0, limit) in place, s[limit, padded) set to 0 (padded: a
-// multiple of 8); returns the sum of the unnormalized weights exp(s - max).
-inline float softmax_row(float* s, int64_t limit, int64_t padded) {
+// Softmax of one row's scores s[lo, limit) in place, the rest of s[0, padded) set to 0
+// (padded: a multiple of 8), the visible scores soft-capped first when softcap > 0; `sink`
+// (-inf: none) joins the softmax without a value. Returns the sum of the unnormalized weights
+// exp(s - max), the sink's included.
+inline float softmax_row(float* s, int64_t lo, int64_t limit, int64_t padded, float softcap,
+                         float sink) {
+    for (int64_t t = 0; t < lo; ++t) s[t] = -INFINITY;
     for (int64_t t = limit; t < padded; ++t) s[t] = -INFINITY;
+    if (softcap > 0.0f)
+        for (int64_t t = lo; t < limit; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
     __m256 vmx = _mm256_set1_ps(-INFINITY);
     for (int64_t t = 0; t < padded; t += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(s + t));
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmx), _mm256_extractf128_ps(vmx, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float mx = _mm_cvtss_f32(m4);
+    const float mx = std::max(_mm_cvtss_f32(m4), sink);
     if (mx == -INFINITY) {                        // no visible key (cannot happen: limit >= 1)
         std::fill(s, s + padded, 0.0f);
         return 0.0f;
@@ -194,8 +204,14 @@ inline float softmax_row(float* s, int64_t limit, int64_t padded) {
         _mm256_storeu_ps(s + t, p);
         sum = _mm256_add_ps(sum, p);
     }
-    return hsum(sum);
+    return hsum(sum) + (sink == -INFINITY ? 0.0f : std::exp(sink - mx));
 }
+
+struct Extras {
+    int64_t window;        // 0: none
+    float softcap;         // 0: none
+    const float* sinks;    // [heads] or null
+};
 
 // Rows [r0, r0 + nr) of one sequence; row r = query (r / heads), head (r % heads). Rows of one
 // query and KV head are consecutive: they are scored and accumulated together, up to 4 at once.
@@ -205,19 +221,22 @@ inline float softmax_row(float* s, int64_t limit, int64_t padded) {
 void attend_rows(const Layer& L, const int32_t* table, int64_t context, int64_t heads,
                  int64_t qpk, int64_t r0, int nr, const float* q, int64_t q_st, int64_t q_sh,
                  int64_t q_row0, float* out, int64_t o_st, int64_t o_sh, float scale,
-                 float* acc, float* qbuf, std::vector<float>& sbuf) {
+                 const Extras& x, float* acc, float* qbuf, std::vector<float>& sbuf) {
     const int64_t D = L.head_dim, bs = L.block_size;
-    int64_t limit[kMaxRows], koff[kMaxRows];
-    int64_t kv_end = 0;
+    int64_t limit[kMaxRows], lo[kMaxRows], koff[kMaxRows];
+    int64_t kv_end = 0, kv_start = INT64_MAX;
     for (int r = 0; r < nr; ++r) {
         const int64_t j = (r0 + r) / heads, h = (r0 + r) % heads;
         koff[r] = (h / qpk) * L.stride_h;
         const float* src = q + (q_row0 + j) * q_st + h * q_sh;
         for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = src[d] * scale;
-        limit[r] = context + j + 1;                   // keys [0, limit) are visible
+        limit[r] = context + j + 1;                   // keys [lo, limit) are visible
+        lo[r] = x.window > 0 ? std::max<int64_t>(limit[r] - x.window, 0) : 0;
         kv_end = std::max(kv_end, limit[r]);
+        kv_start = std::min(kv_start, lo[r]);
         std::fill(acc + r * D, acc + (r + 1) * D, 0.0f);
     }
+    const int64_t first = kv_start / bs;              // blocks before every row's window: unread
     int group_start[kMaxRows + 1], groups = 0;         // runs of <= 4 rows sharing koff
     for (int r = 0; r < nr; ++r)
         if (r == 0 || koff[r] != koff[r - 1] || r - group_start[groups - 1] == 4)
@@ -229,18 +248,19 @@ void attend_rows(const Layer& L, const int32_t* table, int64_t context, int64_t 
     float* s = sbuf.data();
     const int64_t block_bytes = bs * L.stride_s * static_cast<int64_t>(sizeof(float));
     const int64_t share = (block_bytes / groups + 63) / 64 * 64;
-    // block i of the stream: K block i (i < nblocks), V block i - nblocks, then nothing
+    // block i of the stream: K block first + i, then V block first + i - used, then nothing
+    const int64_t used = nblocks - first;
     auto stream_block = [&](int64_t i) -> const float* {
-        if (i >= 2 * nblocks) return nullptr;
-        const float* base = i < nblocks ? L.k : L.v;
-        return base + static_cast<int64_t>(table[i % nblocks]) * L.stride_b;
+        if (i >= 2 * used) return nullptr;
+        const float* base = i < used ? L.k : L.v;
+        return base + static_cast<int64_t>(table[first + i % used]) * L.stride_b;
     };
-    for (int64_t i = 0; i < std::min<int64_t>(kAhead, 2 * nblocks); ++i)
+    for (int64_t i = 0; i < std::min<int64_t>(kAhead, 2 * used); ++i)
         prefetch(stream_block(i), 0, block_bytes);
-    for (int64_t b = 0; b < nblocks; ++b) {
+    for (int64_t b = first; b < nblocks; ++b) {
         const int64_t start = b * bs, n = std::min(bs, kv_end - start);
         const float* kb = L.k + static_cast<int64_t>(table[b]) * L.stride_b;
-        const float* ahead = stream_block(b + kAhead);
+        const float* ahead = stream_block(b - first + kAhead);
         for (int g = 0; g < groups; ++g) {
             const int r = group_start[g];
             by_width(group_start[g + 1] - r, [&](auto w) {
@@ -252,13 +272,14 @@ void attend_rows(const Layer& L, const int32_t* table, int64_t context, int64_t 
     }
     float inv[kMaxRows];
     for (int r = 0; r < nr; ++r) {
-        const float l = softmax_row(s + r * padded, limit[r], padded);
+        const float sink = x.sinks ? x.sinks[(r0 + r) % heads] : -INFINITY;
+        const float l = softmax_row(s + r * padded, lo[r], limit[r], padded, x.softcap, sink);
         inv[r] = l > 0.0f ? 1.0f / l : 0.0f;
     }
-    for (int64_t b = 0; b < nblocks; ++b) {
+    for (int64_t b = first; b < nblocks; ++b) {
         const int64_t start = b * bs, n = std::min(bs, kv_end - start);
         const float* vb = L.v + static_cast<int64_t>(table[b]) * L.stride_b;
-        const float* ahead = stream_block(nblocks + b + kAhead);
+        const float* ahead = stream_block(used + b - first + kAhead);
         for (int g = 0; g < groups; ++g) {
             const int r = group_start[g];
             by_width(group_start[g + 1] - r, [&](auto w) {
@@ -288,10 +309,12 @@ int pdserve_paged_attention(const float* q, int64_t q_st, int64_t q_sh, const fl
                             const int32_t* q_start, const int32_t* q_lens, int64_t num_seqs,
                             float* out, int64_t o_st, int64_t o_sh, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                            float scale, int threads) {
+                            float scale, int threads, int64_t window, float softcap,
+                            const float* sinks) {
     if (head_dim % 8 || block_size > kMaxBlock || block_size < 1 || num_heads % num_kv_heads)
         return -1;
     const Layer L{k, v, kv_sb, kv_ss, kv_sh, block_size, head_dim};
+    const Extras x{window, softcap, sinks};
     const int64_t qpk = num_heads / num_kv_heads;
     // tasks: (sequence, run of rows); starts[i] = the first task of sequence i
     std::vector<int64_t> starts(num_seqs + 1, 0);
@@ -310,8 +333,8 @@ int pdserve_paged_attention(const float* q, int64_t q_st, int64_t q_sh, const fl
             const int64_t r0 = (task - starts[i]) * kMaxRows;
             const int nr = static_cast<int>(std::min<int64_t>(kMaxRows, rows - r0));
             attend_rows(L, tables + i * table_stride, seq_lens[i] - q_lens[i], num_heads, qpk,
-                        r0, nr, q, q_st, q_sh, q_start[i], out, o_st, o_sh, scale, acc.data(),
-                        qbuf.data(), sbuf);
+                        r0, nr, q, q_st, q_sh, q_start[i], out, o_st, o_sh, scale, x,
+                        acc.data(), qbuf.data(), sbuf);
         }
     }
     return 0;
