@@ -191,7 +191,8 @@ class ModelConfig:
         theta = hf.get("rope_theta", rope.pop("rope_theta", 10000.0))
         rope.pop("rope_theta", None)
         partial = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-        rope_scaling = rope_scaling_of(rope)
+        rope_scaling = rope_scaling_of(rope, hf.get("original_max_position_embeddings")
+                                       or hf.get("max_position_embeddings", 2048))
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         eos = []
@@ -230,18 +231,21 @@ class ModelConfig:
         return cls.from_hf(hf, gen)
 
 
-ROPE_TYPES = ("default", "llama3", "linear")
+ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 
-def rope_scaling_of(rope: dict) -> tuple:
+def rope_scaling_of(rope: dict, max_position_embeddings: int = 0) -> tuple:
     """HF rope parameters (without rope_theta) -> ModelConfig.rope_scaling: () for the default
-    rotary, else sorted (key, value) pairs; a type not implemented is refused by name."""
+    rotary, else sorted (key, value) pairs; a type not implemented is refused by name. Scaled
+    types without original_max_position_embeddings take max_position_embeddings (as HF does)."""
     rope = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"rope type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
     if rope_type == "default":
         return ()
+    if rope_type in ("llama3", "yarn") and max_position_embeddings:
+        rope.setdefault("original_max_position_embeddings", max_position_embeddings)
     return tuple(sorted((k, v) for k, v in dict(rope, rope_type=rope_type).items()
                         if k != "type"))
 

@@ -22,6 +22,10 @@ FAMILIES = {
                                           high_freq_factor=4.0,
                                           original_max_position_embeddings=64)),
     "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], rope_theta=1e6),
+    "qwen3-yarn": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32,
+                       rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=4.0,
+                                            original_max_position_embeddings=32),
+                       tie_word_embeddings=True),
     "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32,
                   rope_theta=1e6, tie_word_embeddings=True),
 }
@@ -47,7 +51,8 @@ def test_logits_match_hf(tmp_path, family, linear, attention):
     """On every CPU path this host runs (--linear-method x --cpu-attention)."""
     hf = make_model(tmp_path, family)
     mc = ModelConfig.from_dir(tmp_path)
-    assert mc.attention_bias == (family == "qwen2") and mc.qk_norm == (family == "qwen3")
+    assert mc.attention_bias == (family == "qwen2")
+    assert mc.qk_norm == family.startswith("qwen3")
     eng = Engine(tmp_path, EngineConfig(num_blocks=32, block_size=4, max_num_batched_tokens=64,
                                         linear_method=linear, cpu_attention=attention), mc)
     want = {"torch": "dense"}.get(linear, linear)

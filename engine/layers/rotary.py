@@ -1,4 +1,5 @@
-"""Rotary position embeddings (rotate-half layout), with Llama 3 and linear frequency scaling.
+"""Rotary position embeddings (rotate-half layout), with Llama 3, linear and YaRN frequency
+scaling (YaRN also scales cos and sin by its attention factor).
 A layer may have its own base and scaling (ModelConfig.layer_attention: Gemma 3's local
 layers); the decoder computes each distinct rotary once per forward pass.
 
@@ -29,6 +30,8 @@ def rope_inv_freq(cfg: ModelConfig, theta: float = 0.0, rope_scaling: tuple | No
     scaling = dict(cfg.rope_scaling if rope_scaling is None else rope_scaling)
     if scaling.get("rope_type") == "linear":
         return inv / scaling["factor"]
+    if scaling.get("rope_type") == "yarn":
+        return _yarn_inv_freq(inv, d, theta, scaling, cfg.max_position_embeddings)
     if scaling.get("rope_type") == "llama3":
         factor = scaling["factor"]
         low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -41,6 +44,50 @@ def rope_inv_freq(cfg: ModelConfig, theta: float = 0.0, rope_scaling: tuple | No
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = torch.where(medium, smoothed, scaled)
     return inv
+
+
+def _yarn_factor(scaling: dict, max_positions: int) -> float:
+    factor = scaling.get("factor")
+    return factor if factor is not None else \
+        max_positions / scaling["original_max_position_embeddings"]
+
+
+def _yarn_inv_freq(inv: torch.Tensor, d: int, theta: float, scaling: dict,
+                   max_positions: int) -> torch.Tensor:
+    """YaRN: each frequency between its extrapolated (unscaled) and interpolated (/ factor)
+    value, by a linear ramp over the dims between the correction range beta_fast..beta_slow
+    rotations over the original context."""
+    factor = _yarn_factor(scaling, max_positions)
+    original = scaling["original_max_position_embeddings"]
+
+    def dim_of(rotations: float) -> float:
+        return d * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.get("beta_fast") or 32), dim_of(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    return (inv / factor) * (1 - extrapolate) + inv * extrapolate
+
+
+def attention_scaling(cfg: ModelConfig, rope_scaling: tuple | None = None) -> float:
+    """The factor YaRN scales cos and sin by (1 for the other types)."""
+    scaling = dict(cfg.rope_scaling if rope_scaling is None else rope_scaling)
+    if scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = _yarn_factor(scaling, cfg.max_position_embeddings)
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return float(mscale(m) / mscale(m_all)) if m and m_all else mscale()
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -59,6 +106,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.cfg, self.args = cfg, (theta, rope_scaling)
         self.register_buffer("inv_freq", rope_inv_freq(cfg, *self.args), persistent=False)
+        self.scaling = attention_scaling(cfg, rope_scaling)
 
     def init_buffers(self, device: str | torch.device) -> None:
         """Rebuild the buffer after the model was built on the meta device."""
@@ -68,7 +116,12 @@ class RotaryEmbedding(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> cos, sin [T, 1, D] in `dtype`, laid out as cat(freqs, freqs)."""
         freqs = positions[:, None].float() * self.inv_freq.float()       # [T, R/2]
-        if self.cfg.rope_dim != self.cfg.head_dim:   # partial: the pass-through dims get 0
-            freqs = torch.nn.functional.pad(freqs, (0, (self.cfg.head_dim - self.cfg.rope_dim) // 2))
-        emb = torch.cat((freqs, freqs), dim=-1)                          # [T, D]
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.scaling != 1.0:                      # YaRN: the rotated dims only
+            cos, sin = cos * self.scaling, sin * self.scaling
+        if self.cfg.rope_dim != self.cfg.head_dim:   # partial: the pass-through dims cos 1, sin 0
+            pad = (self.cfg.head_dim - self.cfg.rope_dim) // 2
+            cos = torch.nn.functional.pad(cos, (0, pad), value=1.0)
+            sin = torch.nn.functional.pad(sin, (0, pad))
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)   # [T, D]
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
