@@ -18,7 +18,7 @@ serve: setup system
 	$(VENV)/bin/pdserve up
 
 test: setup system
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 setup: proto fetch
 

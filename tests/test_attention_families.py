@@ -1,5 +1,6 @@
 """Families whose attention differs by layer (engine.config.LayerAttention) against HF
-transformers on tiny random models: Mistral (every layer sliding), Gemma 2 (sliding and global
+transformers on tiny random models: Mistral and Phi-3 (every layer sliding; Phi-3's fused
+qkv and gate_up tensors, partial rotary), Gemma 2 (sliding and global
 layers alternating, soft-capped scores and logits), Gemma 3 (five sliding layers to one global,
 a local rotary base, q/k norms), Qwen2 with use_sliding_window. The windows are shorter than the
 prompts and the chunked prefill's chunks cross their edges; fp32 logits of every position, then
@@ -28,6 +29,8 @@ FAMILIES = {
     "qwen2-sliding": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"],
                           use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
                           tie_word_embeddings=False),
+    "phi3": dict(model_type="phi3", architectures=["Phi3ForCausalLM"], sliding_window=WINDOW,
+                 partial_rotary_factor=0.5, tie_word_embeddings=False, pad_token_id=0),
     "gemma2": dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"],
                    sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
                    final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh",
@@ -68,7 +71,7 @@ def test_logits_match_hf_across_the_window(tmp_path, family, linear, attention):
     hf = make_model(tmp_path, family)
     mc = ModelConfig.from_dir(tmp_path)
     windows = [mc.attention_of(i).window for i in range(mc.num_layers)]
-    want = {"mistral": [WINDOW] * 3, "qwen2-sliding": [0, WINDOW, WINDOW],
+    want = {"mistral": [WINDOW] * 3, "phi3": [WINDOW] * 3, "qwen2-sliding": [0, WINDOW, WINDOW],
             "gemma2": [WINDOW, 0, WINDOW], "gemma3_text": [WINDOW, WINDOW, 0]}[family]
     assert windows == want
     eng = Engine(tmp_path, EngineConfig(num_blocks=32, block_size=4, max_num_batched_tokens=64,
@@ -81,7 +84,7 @@ def test_logits_match_hf_across_the_window(tmp_path, family, linear, attention):
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "mistral"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text", "mistral", "phi3"])
 def test_greedy_generate_matches_hf(tmp_path, family):
     """A batch decoded together (grouped decodes under per-layer windows), a prompt whose
     prefix is cached (a short query after it), generation well past the window."""

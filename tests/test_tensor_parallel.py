@@ -231,3 +231,18 @@ def test_a_rank_that_exits_mid_collective_ends_the_wait():
     with pytest.raises(RuntimeError, match="rank exited"):
         shm.all_reduce(torch.ones(8))
     assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize("family", ["phi3", "gemma3_text"])
+def test_tp_matches_one_rank_for_layers_that_differ(tmp_path, family):
+    """Phi-3's fused qkv and gate_up tensors split per rank at load; Gemma 3's sliding layers,
+    per-head q/k norms and local rotary: two ranks give one rank's logits and tokens."""
+    from tests.test_attention_families import make_model as make_by_layer
+
+    make_by_layer(tmp_path, family)
+    ids = torch.randint(0, 128, (29,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref_logits, ref_kv, ref_tokens = _run(tmp_path, 1, ids)
+    logits, kv, tokens = _run(tmp_path, 2, ids)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kv, ref_kv, rtol=1e-5, atol=1e-5)
+    assert tokens == ref_tokens

@@ -427,10 +427,14 @@ class MergedLinear(Linear):
 
     def weight_loader(self, param: nn.Parameter, loaded, shard: int | None = None) -> None:
         if shard is None:                       # a checkpoint that stores the merged tensor
-            if self.tp.size > 1:
-                raise ValueError("a merged checkpoint tensor is not split for tensor "
-                                 "parallelism; store its projections separately")
-            _copy_loader(param, loaded)
+            if self.tp.size == 1:
+                _copy_loader(param, loaded)
+                return
+            _check_shape(loaded, (sum(self.full_sizes), *param.shape[1:]), "merged: ")
+            start = 0                           # each projection's rows, then this rank's share
+            for i, size in enumerate(self.full_sizes):
+                self.weight_loader(param, loaded.narrow(0, start, size), i)
+                start += size
             return
         if not 0 <= shard < len(self.output_sizes):
             raise ValueError(f"shard {shard} of a layer merging {len(self.output_sizes)}")

@@ -14,7 +14,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Callable
 
-FAMILY_MODULES = ("llama", "mistral", "gemma", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+FAMILY_MODULES = ("llama", "mistral", "phi3", "gemma", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
                   "glm4_moe", "minimax_m2")
 
 DENSE_QUANT = ("int8", "gptq", "awq", "compressed-tensors")
