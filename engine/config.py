@@ -66,10 +66,25 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     shared_intermediate_size: int = 0   # shared experts (one MLP) run for every token
     shared_gate: bool = False         # sigmoid(x @ shared_expert_gate) scales them (Qwen2-MoE)
+    router_bias: bool = False         # the router's linear has a bias (gpt-oss)
+    expert_bias: bool = False         # the experts' gate/up and down have biases (gpt-oss)
+    # the experts' activation: "silu" (SwiGLU), or "swiglu_limit" (gpt-oss: gate and up
+    # clamped to swiglu_limit, (up + 1) * gate * sigmoid(swiglu_alpha * gate))
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    # fused 3-D expert tensors as saved: "stacked" ([E, 2I, H] gate rows then up rows, [E, H, I])
+    # or "transposed_interleaved" (gpt-oss: [E, H, 2I] gate and up columns alternating, [E, I, H])
+    fused_layout: str = "stacked"
 
     def __post_init__(self) -> None:
         if self.scoring not in ("softmax", "sigmoid"):
             raise ValueError(f"MoE scoring must be softmax or sigmoid, got {self.scoring!r}")
+        if self.activation not in ("silu", "swiglu_limit"):
+            raise ValueError(f"MoE activation must be silu or swiglu_limit, got "
+                             f"{self.activation!r}")
+        if self.fused_layout not in ("stacked", "transposed_interleaved"):
+            raise ValueError(f"unknown fused expert layout {self.fused_layout!r}")
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok ({self.top_k}) must be in [1, "
                              f"num_experts ({self.num_experts})]")

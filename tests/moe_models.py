@@ -34,6 +34,14 @@ FAMILIES = {
                      attention_bias=True, head_dim=32, partial_rotary_factor=0.5),
     "minimax_m2": dict(architectures=["MiniMaxM2ForCausalLM"], intermediate_size=40,
                        num_local_experts=6, num_experts_per_tok=2, head_dim=24, rotary_dim=8),
+    # sliding and full layers, sinks, YaRN; experts with biases and the clamped SwiGLU
+    "gpt_oss": dict(architectures=["GptOssForCausalLM"], intermediate_size=40,
+                    num_local_experts=6, num_experts_per_tok=2, head_dim=16, sliding_window=7,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                    swiglu_limit=1.5,
+                    rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0,
+                                         beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                         original_max_position_embeddings=64)),
 }
 
 

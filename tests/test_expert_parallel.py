@@ -49,7 +49,10 @@ def _reference(tmp_path_factory, family: str, **shape):
     ("qwen2_moe", 2, False, SHAPE),     # tensor parallel experts
     ("glm4_moe", 3, True, SHAPE),       # grouped sigmoid router, shared experts, partial rotary
     ("minimax_m2", 2, False, dict(SHAPE, num_key_value_heads=1)),   # q/k norms across heads,
-])                                                                  # the KV head replicated
+    #                                                                 the KV head replicated
+    ("gpt_oss", 2, False, SHAPE),       # expert biases (down's added once), sinks by head
+    ("gpt_oss", 2, True, SHAPE),        # whole experts with their biases
+])
 def test_matches_one_rank(tmp_path_factory, family, tp, ep, shape):
     path, (ref_logits, ref_tokens, ref_experts, ref_bytes) = _reference(tmp_path_factory,
                                                                         family, **shape)

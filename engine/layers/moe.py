@@ -71,6 +71,8 @@ class Router(nn.Module):
         super().__init__()
         self.moe = moe
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden), requires_grad=False)
+        self.bias = (nn.Parameter(torch.zeros(moe.num_experts), requires_grad=False)
+                     if moe.router_bias else None)
         names = ("weight",) if moe.scoring == "sigmoid" else ()     # scored in float32
         if moe.correction_bias:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(moe.num_experts),
@@ -81,7 +83,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         moe = self.moe
         if moe.scoring == "softmax":
-            scores = F.linear(x, self.weight).float().softmax(-1)          # [T, E]
+            scores = F.linear(x, self.weight, self.bias).float().softmax(-1)   # [T, E]
         else:
             scores = F.linear(x.float(), self.weight.float()).sigmoid()   # [T, E]
         choice = scores
@@ -108,8 +110,9 @@ class Experts(nn.Module):
     I_local] (see the module docstring for how ranks split them)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, tp: TPGroup,
-                 expert_parallel: bool) -> None:
+                 expert_parallel: bool, moe: MoEConfig | None = None) -> None:
         super().__init__()
+        self.moe = moe
         self.num_experts, self.hidden, self.full_i = num_experts, hidden, intermediate
         self.tp, self.ep = tp, expert_parallel and tp.size > 1
         if self.ep:
@@ -126,7 +129,46 @@ class Experts(nn.Module):
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(self.local, hidden, self.inter),
                                       requires_grad=False)
+        self.gate_up_proj_bias = self.down_proj_bias = None
+        if moe is not None and moe.expert_bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.zeros(self.local, 2 * self.inter),
+                                                  requires_grad=False)
+            # added once: under tensor parallelism (not expert) by rank 0 only, before the
+            # all-reduce of the ranks' partial sums
+            self.down_proj_bias = nn.Parameter(torch.zeros(self.local, hidden),
+                                               requires_grad=False)
         self.method: "MoEMethod | None" = None          # set by MoE
+
+    def act(self, h: torch.Tensor) -> torch.Tensor:
+        """[R, 2I] (gate columns, then up) -> [R, I]: the experts' activation."""
+        gate, up = h.chunk(2, dim=-1)
+        if self.moe is None or self.moe.activation == "silu":
+            return F.silu(gate) * up
+        limit, alpha = self.moe.swiglu_limit, self.moe.swiglu_alpha
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    def _bias_loader(self, param: nn.Parameter, loaded) -> None:
+        i, full = self.inter, self.full_i
+        interleaved = self.moe.fused_layout == "transposed_interleaved"
+        if param is self.gate_up_proj_bias:
+            want = (self.num_experts, 2 * full)
+        else:
+            want = (self.num_experts, self.hidden)
+        if tuple(loaded.shape) != want:
+            raise ValueError(f"checkpoint gives {tuple(loaded.shape)}, model expects {want}")
+        for e in range(self.local):
+            one = loaded.narrow(0, self.first + e, 1)[0]
+            if param is self.down_proj_bias:   # (built on the meta device: zeros written)
+                if self.ep or self.tp.rank == 0:
+                    param.data[e].copy_(one)
+                else:
+                    param.data[e].zero_()
+                continue
+            gate, up = (one[0::2], one[1::2]) if interleaved else (one[:full], one[full:])
+            param.data[e, :i].copy_(gate.narrow(0, self.i_start, i))
+            param.data[e, i:].copy_(up.narrow(0, self.i_start, i))
 
     def expected_shards(self, attr: str, shards: set) -> int:
         """How many checkpoint tensors fill `attr` (engine.weights checks every one came)."""
@@ -139,6 +181,11 @@ class Experts(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded, shard=None) -> None:
         h, i, full = self.hidden, self.inter, self.full_i
+        if param is self.gate_up_proj_bias or param is self.down_proj_bias:
+            return self._bias_loader(param, loaded)
+        if shard is None and self.moe is not None and \
+                self.moe.fused_layout == "transposed_interleaved":
+            return self._transposed_loader(param, loaded)
         if shard is None:                       # a fused [E, 2I, H] or [E, H, I] tensor
             down = param is self.down_proj
             want = (self.num_experts, h, full) if down else (self.num_experts, 2 * full, h)
@@ -168,6 +215,21 @@ class Experts(nn.Module):
             rows = slice(0, i) if part == "gate" else slice(i, 2 * i)
             param.data[e, rows].copy_(loaded.narrow(0, self.i_start, i))
 
+    def _transposed_loader(self, param: nn.Parameter, loaded) -> None:
+        """gpt-oss: gate_up [E, H, 2I], gate and up columns alternating; down [E, I, H]."""
+        h, i, full = self.hidden, self.inter, self.full_i
+        down = param is self.down_proj
+        want = (self.num_experts, full, h) if down else (self.num_experts, h, 2 * full)
+        if tuple(loaded.shape) != want:
+            raise ValueError(f"checkpoint gives {tuple(loaded.shape)}, model expects {want}")
+        for e in range(self.local):
+            one = loaded.narrow(0, self.first + e, 1)[0].t()          # [H, I] or [2I, H]
+            if down:
+                param.data[e].copy_(one.narrow(1, self.i_start, i))
+            else:
+                param.data[e, :i].copy_(one[0::2].narrow(0, self.i_start, i))
+                param.data[e, i:].copy_(one[1::2].narrow(0, self.i_start, i))
+
     def process_weights_after_loading(self) -> None:
         self.method.process_weights_after_loading(self)
 
@@ -186,11 +248,11 @@ class MoEMethod:
               ids: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         flat = ids.flatten()
+        gb, db = experts.gate_up_proj_bias, experts.down_proj_bias
         for e in torch.unique(flat[flat >= 0]).tolist():
             token, slot = torch.where(ids == e)
-            h = F.linear(x[token], experts.gate_up_proj[e])
-            gate, up = h.chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, experts.down_proj[e])
+            h = F.linear(x[token], experts.gate_up_proj[e], None if gb is None else gb[e])
+            y = F.linear(experts.act(h), experts.down_proj[e], None if db is None else db[e])
             out.index_add_(0, token, (y * weights[token, slot, None].to(y.dtype)).float())
         return out.to(x.dtype)
 
@@ -233,12 +295,15 @@ class GroupedMoE(MoEMethod):
         rows = order // k                                          # token of each sorted slot
         out = torch.zeros(t * k, x.shape[1], dtype=x.dtype, device=x.device)
         start = counts[0]
+        gb, db = experts.gate_up_proj_bias, experts.down_proj_bias
         for e, n in enumerate(counts[1:]):
             if n:
                 sel = order[start:start + n]
                 g = experts.expert_gate_up[e](x[rows[start:start + n]])
-                gate, up = g.chunk(2, dim=-1)
-                out[sel] = experts.expert_down[e](F.silu(gate) * up)
+                if gb is not None:
+                    g = g + gb[e]
+                y = experts.expert_down[e](experts.act(g))
+                out[sel] = y if db is None else y + db[e]
                 start += n
         w = weights.to(x.dtype).view(t, k, 1)
         return (out.view(t, k, x.shape[1]) * w).sum(1)
@@ -266,10 +331,19 @@ def graph_safe(model: nn.Module) -> bool:
     return all(m.method.graph_safe for m in model.modules() if isinstance(m, Experts))
 
 
-def moe_method_for(opts: LayerOptions) -> MoEMethod:
-    """The backend for `opts` (`opts.moe_backend`: auto, or one forced)."""
+def moe_method_for(opts: LayerOptions, moe: MoEConfig | None = None) -> MoEMethod:
+    """The backend for `opts` (`opts.moe_backend`: auto, or one forced). The fused kernel
+    computes SwiGLU experts without biases: experts with biases or gpt-oss's activation run
+    grouped (also on CUDA, eagerly)."""
     choice, linear = opts.moe_backend, opts.linear
     float_weights = linear.name not in ("int8",) and not hasattr(linear, "scheme")
+    plain = moe is None or (moe.activation == "silu" and not moe.expert_bias)
+    if choice == "triton" and not plain:
+        raise ValueError("--moe-backend triton computes SwiGLU experts without biases; this "
+                         "model's experts have biases or another activation (grouped or "
+                         "reference run them)")
+    if choice == "auto" and not plain:
+        return GroupedMoE(linear)
     if choice == "reference":
         if not float_weights:
             raise ValueError("--moe-backend reference takes float weights; integer experts "
@@ -299,8 +373,8 @@ class MoE(nn.Module):
         self.ep = opts.expert_parallel and tp.size > 1
         self.gate = Router(cfg.hidden_size, moe)
         self.experts = Experts(moe.num_experts, cfg.hidden_size, moe.intermediate_size, tp,
-                               self.ep)
-        self.experts.method = moe_method_for(opts)
+                               self.ep, moe)
+        self.experts.method = moe_method_for(opts, moe)
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_intermediate_size:
             # expert parallel: replicated, run on each rank's slice of the tokens

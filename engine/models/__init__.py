@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 FAMILY_MODULES = ("llama", "mistral", "phi3", "gemma", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
-                  "glm4_moe", "minimax_m2")
+                  "glm4_moe", "minimax_m2", "gpt_oss")
 
 DENSE_QUANT = ("int8", "gptq", "awq", "compressed-tensors")
 MOE_QUANT = ("int8",)
