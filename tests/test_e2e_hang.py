@@ -23,7 +23,7 @@ from tests.test_e2e_faults import long_prompt
 pytestmark = pytest.mark.slow
 
 WORKERS = ("prefill-a", "prefill-b", "decode-a", "decode-b")
-NEW = 160
+NEW = 96
 # A hang must cost seconds, not gRPC keepalive's minute: the probe answers within 5 s, then the
 # stream is computed again elsewhere. The bound leaves room for a loaded two-core host.
 MAX_STALL_S = 30.0
