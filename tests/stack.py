@@ -133,6 +133,15 @@ class Stack:
         return "\n".join(f"--- {p.name}\n{p.log.read_text()[-2000:]}" for p in self.procs)
 
 
+def copy_tokenizer(model_dir: Path, dst: Path) -> None:
+    """The default model's tokenizer files into `dst` (a tiny random model with its
+    vocabulary then serves text through the gateway)."""
+    for f in Path(model_dir).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.name in ("vocab.json",
+                                                                             "merges.txt"):
+            shutil.copy(f, Path(dst) / f.name)
+
+
 def metric(url: str, name: str, **labels) -> float:
     """The sum of a Prometheus metric's samples at `url` with these labels (0 when none)."""
     import httpx

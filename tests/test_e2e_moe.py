@@ -6,14 +6,13 @@ tokens each expert computed."""
 
 from __future__ import annotations
 
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from tests.moe_models import make_moe
-from tests.stack import metric, standard_stack, wait_idle
+from tests.stack import copy_tokenizer, metric, standard_stack, wait_idle
 from tests.test_e2e import hf, hf_greedy  # noqa: F401  (module fixture)
 from tests.test_e2e_transports import STORY
 
@@ -29,10 +28,7 @@ def tiny_moe(model_dir, tmp_path_factory):
     the HF model itself."""
     d = tmp_path_factory.mktemp("tiny-moe")
     model = make_moe(d, "qwen2_moe", vocab_size=49152, max_position_embeddings=2048)
-    for f in model_dir.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")) or f.name in ("vocab.json",
-                                                                             "merges.txt"):
-            shutil.copy(f, d / f.name)
+    copy_tokenizer(model_dir, d)
     return d, model
 
 

@@ -5,12 +5,11 @@ cache."""
 
 from __future__ import annotations
 
-import shutil
 
 import httpx
 import pytest
 
-from tests.stack import metric, standard_stack, wait_idle
+from tests.stack import copy_tokenizer, metric, standard_stack, wait_idle
 from tests.test_attention_families import make_model
 from tests.test_e2e import hf, hf_greedy  # noqa: F401  (module fixture)
 from tests.test_e2e_transports import STORY
@@ -27,10 +26,7 @@ def tiny_gemma(model_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny-gemma")
     model = make_model(d, "gemma2", vocab_size=49152, max_position_embeddings=2048,
                        sliding_window=16)
-    for f in model_dir.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")) or f.name in ("vocab.json",
-                                                                             "merges.txt"):
-            shutil.copy(f, d / f.name)
+    copy_tokenizer(model_dir, d)
     return d, model
 
 
