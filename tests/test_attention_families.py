@@ -104,3 +104,42 @@ def test_greedy_generate_matches_hf(tmp_path, family):
                           eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
         assert got[str(i)] == ref, i
     assert eng.pool.num_free == eng.pool.num_blocks
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_the_engines_features_on_layers_that_differ(tmp_path, family):
+    """What the engine does around the model, on a model whose layers differ: prompt logprobs
+    (Gemma 2's soft-capped logits), n-gram speculation (verification rows past the window),
+    beam search (forked tables under sliding layers, sinks), each against HF."""
+    from tests.conftest import make_engine
+    from tests.moe_models import make_moe
+    from tests.test_beam_search import _beam, _hf_beams, _run
+
+    hf = make_model(tmp_path, family) if family != "gpt_oss" else make_moe(tmp_path, family)
+    ids = [5, 9, 17, 3, 5, 9, 17, 3, 5, 9, 17, 3, 8, 1]
+    with torch.no_grad():
+        lp = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+    eng = make_engine(tmp_path, num_blocks=64, block_size=4, max_num_batched_tokens=8,
+                      speculative="ngram", num_speculative_tokens=3)
+    try:
+        eng.add_request(Request("p", ids, SamplingParams(temperature=0, max_tokens=20,
+                                                         ignore_eos=True, prompt_logprobs=2)))
+        scored, tokens = None, []
+        while eng.has_work():
+            for o in eng.step():
+                scored = scored or o.prompt_logprobs
+                tokens += o.new_token_ids
+        assert [e.logprob for e in scored[1:]] == pytest.approx(
+            [float(lp[i - 1, ids[i]]) for i in range(1, len(ids))], abs=1e-4)
+        greedy = hf.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        assert tokens == greedy
+        assert eng.stats.spec_proposed > 0
+    finally:
+        eng.close()
+    eng = make_engine(tmp_path, num_blocks=96, block_size=4, max_num_batched_tokens=16)
+    try:
+        got = _run(eng, [_beam("b", ids, 3, 1.0, False, 10)])
+    finally:
+        eng.close()
+    assert [got[("b", c)][0] for c in range(3)] == _hf_beams((None, hf), ids, 3, 1.0, False, 10)
