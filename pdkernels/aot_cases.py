@@ -237,15 +237,21 @@ def quant_linear(shape: ModelShape, dtype, matrix: Matrix) -> Iterator[tuple[str
 # Mixture of experts (the MoE layer's fused_moe on CUDA)
 
 
-def _moe(moe: MoeShape, tokens: int, dtype, ids_dtype=torch.int32) -> None:
+def _moe(moe: MoeShape, tokens: int, dtype, ids_dtype=torch.int32, oss: bool = False) -> None:
     """One fused_moe call: the router's top-k ids spread over the experts (moe_align reads them
-    on the host here, so they are real ids), the other tensors empty."""
+    on the host here, so they are real ids), the other tensors empty; `oss`: gpt-oss's expert
+    biases and clamped SwiGLU."""
     ids = (torch.arange(tokens * moe.topk) % moe.experts).view(tokens, moe.topk).to(ids_dtype)
+    extra = {}
+    if oss:
+        extra = dict(b13=torch.empty(moe.experts, 2 * moe.intermediate, dtype=dtype),
+                     b2=torch.empty(moe.experts, moe.hidden, dtype=dtype),
+                     activation="swiglu_limit")
     triton_moe.fused_moe(torch.empty(tokens, moe.hidden, dtype=dtype),
                          torch.empty(moe.experts, 2 * moe.intermediate, moe.hidden, dtype=dtype),
                          torch.empty(moe.experts, moe.hidden, moe.intermediate, dtype=dtype),
                          torch.empty(tokens, moe.topk, dtype=torch.float32),
-                         ids, num_sms=NUM_SMS)
+                         ids, num_sms=NUM_SMS, **extra)
 
 
 def fused_moe(shape: ModelShape, dtype, matrix: Matrix) -> Iterator[tuple[str, Call]]:
@@ -259,6 +265,9 @@ def fused_moe(shape: ModelShape, dtype, matrix: Matrix) -> Iterator[tuple[str, C
         for t in matrix.rows:
             yield f"{name} T={t}", partial(_moe, moe, t, dtype)
         yield f"{name} T=1 int64 ids", partial(_moe, moe, 1, dtype, torch.int64)
+        for t in (1, 256):
+            yield f"{name} T={t} biases+clamped SwiGLU", partial(_moe, moe, t, dtype,
+                                                                 torch.int32, True)
 
 
 # name -> cases; the table lists entries in this order.

@@ -15,6 +15,11 @@ accumulated in fp32 and rounded to x's dtype, silu computed in fp32 and rounded,
 fp32 and rounded), the down projection accumulated in fp32 and the weighted sum over the k slots
 done in fp32, rounded once at the end.
 
+Optional (gpt-oss): biases b13 [E, 2I] (added to the gate and up projections before the
+activation) and b2 [E, H] (added to the down projection before the top-k weight), in x's dtype;
+activation "swiglu_limit": gate and up clamped to `limit` (gate from above only), act = (up + 1)
+* gate * sigmoid(alpha * gate), in fp32, rounded once.
+
 Work decomposition.
 - moe_align (torch ops on the device): the T * k (token, slot) pairs, flattened as t * k + j,
   are grouped by expert and each expert's run is padded to a multiple of BLOCK_M with the
@@ -169,8 +174,10 @@ def _mma(a, b, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, expert_ptr, PAIRS, TOPK, H, INTER,
-                        NUM_EXPERTS, stride_x, stride_we, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        NUM_EXPERTS, stride_x, stride_we, b_ptr, alpha, limit,
+                        IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        HAS_BIAS: tl.constexpr = False, CLAMPED: tl.constexpr = False):
     """Program (M-block, column tile of I): act[pair, cols] = silu(x[tok] @ gate.T) *
     (x[tok] @ up.T) for the block's pairs, tok = pair // TOPK, gate / up the tile's rows of
     w13[e]."""
@@ -197,17 +204,27 @@ def _moe_gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ptr, expert_ptr, PAIRS, TO
         acc_gate = _mma(x, w_gate, acc_gate, IEEE)
         acc_up = _mma(x, w_up, acc_up, IEEE)
     dtype = act_ptr.dtype.element_ty
+    if HAS_BIAS:
+        b_row = b_ptr + expert.to(tl.int64) * 2 * INTER
+        acc_gate += tl.load(b_row + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc_up += tl.load(b_row + INTER + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     gate = acc_gate.to(dtype).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
-    act = (silu.to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
+    if CLAMPED:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(acc_up.to(dtype).to(tl.float32), -limit), limit)
+        act = ((up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))).to(dtype)
+    else:
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+        act = (silu.to(tl.float32) * acc_up.to(dtype).to(tl.float32)).to(dtype)
     tl.store(act_ptr + pairs.to(tl.int64)[:, None] * INTER + cols[None, :], act,
              mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
 def _moe_down_kernel(act_ptr, w_ptr, topk_w_ptr, part_ptr, sorted_ptr, expert_ptr, PAIRS, H,
-                     INTER, NUM_EXPERTS, stride_we, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     INTER, NUM_EXPERTS, stride_we, b_ptr, IEEE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     HAS_BIAS: tl.constexpr = False):
     """Program (M-block, column tile of H): part[pair, cols] = topk_w[pair] * act[pair] @
     w2[e][cols].T in fp32."""
     block = tl.program_id(0)
@@ -227,6 +244,9 @@ def _moe_down_kernel(act_ptr, w_ptr, topk_w_ptr, part_ptr, sorted_ptr, expert_pt
         a = tl.load(a_row + kk, mask=row_ok[:, None] & k_ok, other=0.0)           # [BM, BK]
         w = tl.load(w_row + kk, mask=col_ok[:, None] & k_ok, other=0.0)           # [BN, BK]
         acc = _mma(a, w, acc, IEEE)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + expert.to(tl.int64) * H + cols, mask=col_ok,
+                       other=0.0).to(tl.float32)[None, :]
     acc *= tl.load(topk_w_ptr + pairs, mask=row_ok, other=0.0)[:, None]
     tl.store(part_ptr + pairs.to(tl.int64)[:, None] * H + cols[None, :], acc,
              mask=row_ok[:, None] & col_ok[None, :])
@@ -253,8 +273,15 @@ def _moe_combine_kernel(part_ptr, ids_ptr, out_ptr, H, TOPK, NUM_EXPERTS, stride
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, num_sms: int | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, num_sms: int | None = None, b13: torch.Tensor | None = None,
+              b2: torch.Tensor | None = None, activation: str = "silu", alpha: float = 1.702,
+              limit: float = 7.0) -> torch.Tensor:
     """The MoE MLP of the module docstring's contract: a new [T, H] tensor in x's dtype."""
+    assert activation in ("silu", "swiglu_limit"), activation
+    assert (b13 is None) == (b2 is None), "both biases or neither"
+    if b13 is not None:
+        assert b13.shape == (w13.shape[0], w13.shape[1]) and b2.shape == w2.shape[:2] and \
+            b13.is_contiguous() and b2.is_contiguous(), (b13.shape, b2.shape)
     assert x.dim() == 2 and x.stride(1) == 1, f"x: [T, H] with a contiguous last dim, {x.shape}"
     assert x.dtype in (torch.float32, torch.float16, torch.bfloat16), x.dtype
     t, hidden = x.shape
@@ -282,13 +309,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     g = p.gate_up
     _moe_gate_up_kernel[(blocks, triton.cdiv(inter, g.block_n))](
         x, w13, act, sorted_ids, block_expert, pairs, topk, hidden, inter, e, x.stride(0),
-        w13.stride(0), IEEE=ieee, BLOCK_M=p.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k,
+        w13.stride(0), b13 if b13 is not None else w13, float(alpha), float(limit),
+        IEEE=ieee, BLOCK_M=p.block_m, BLOCK_N=g.block_n, BLOCK_K=g.block_k,
+        HAS_BIAS=b13 is not None, CLAMPED=activation == "swiglu_limit",
         num_warps=g.num_warps, num_stages=g.num_stages)
     part = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
     d = p.down
     _moe_down_kernel[(blocks, triton.cdiv(hidden, d.block_n))](
         act, w2, weights, part, sorted_ids, block_expert, pairs, hidden, inter, e, w2.stride(0),
-        IEEE=ieee, BLOCK_M=p.block_m, BLOCK_N=d.block_n, BLOCK_K=d.block_k,
+        b2 if b2 is not None else w2, IEEE=ieee, BLOCK_M=p.block_m, BLOCK_N=d.block_n,
+        BLOCK_K=d.block_k, HAS_BIAS=b2 is not None,
         num_warps=d.num_warps, num_stages=d.num_stages)
     block = min(COMBINE_BLOCK, triton.next_power_of_2(hidden))
     _moe_combine_kernel[(t, triton.cdiv(hidden, block))](
@@ -301,7 +331,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                  activation: str = "silu", alpha: float = 1.702, limit: float = 7.0
+                  ) -> torch.Tensor:
     """The same in torch, one expert at a time over the experts that got a pair (ids outside
     [0, E) ignored), with the kernel's roundings: projections in fp32 rounded to x's dtype,
     the weighted down projections added in fp32, rounded once. Syncs with the device."""
@@ -312,9 +345,14 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     for e in torch.unique(ids[(ids >= 0) & (ids < e_count)]).tolist():
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         xe = x[tok].float()
-        gate = F.linear(xe, w13[e, :inter].float()).to(x.dtype)
-        up = F.linear(xe, w13[e, inter:].float()).to(x.dtype)
-        act = (F.silu(gate.float()).to(x.dtype).float() * up.float()).to(x.dtype)
-        y = F.linear(act.float(), w2[e].float())
+        gb = (None, None) if b13 is None else (b13[e, :inter].float(), b13[e, inter:].float())
+        gate = F.linear(xe, w13[e, :inter].float(), gb[0]).to(x.dtype)
+        up = F.linear(xe, w13[e, inter:].float(), gb[1]).to(x.dtype)
+        if activation == "swiglu_limit":
+            g, u = gate.float().clamp(max=limit), up.float().clamp(-limit, limit)
+            act = ((u + 1) * g * torch.sigmoid(alpha * g)).to(x.dtype)
+        else:
+            act = (F.silu(gate.float()).to(x.dtype).float() * up.float()).to(x.dtype)
+        y = F.linear(act.float(), w2[e].float(), None if b2 is None else b2[e].float())
         out.index_add_(0, tok, y * topk_weights[tok, slot].float()[:, None])
     return out.to(x.dtype)

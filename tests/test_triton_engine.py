@@ -104,13 +104,13 @@ def test_triton_backend_gives_the_torch_backends_tokens_for_sliding_layers(tmp_p
 
 
 def test_gpt_oss_on_the_triton_attention_backend(tmp_path):
-    """gpt-oss on CUDA's path: the Triton attention kernel with its sliding layers and sinks;
-    its experts (biases, clamped SwiGLU) on the grouped backend, which auto picks for them."""
+    """gpt-oss on CUDA's path: the Triton attention kernel with its sliding layers and sinks,
+    the fused MoE kernel with the experts' biases and clamped SwiGLU."""
     from engine.layers.moe import Experts
     from tests.moe_models import make_moe
 
     make_moe(tmp_path, "gpt_oss")
     want, _ = generate(tmp_path, "torch", moe_backend="reference")
     got, eng = generate(tmp_path, "triton")
-    assert {m.method.name for m in eng.model.modules() if isinstance(m, Experts)} == {"grouped"}
+    assert {m.method.name for m in eng.model.modules() if isinstance(m, Experts)} == {"triton"}
     assert got == want

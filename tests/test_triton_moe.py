@@ -117,6 +117,36 @@ def test_fused_moe_matches_reference(dtype, t, experts, topk, used, off_rank, id
     _close(got, fused_moe_ref(x, w13, w2, weights, ids), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [1, 24])
+def test_biases_and_the_clamped_swiglu(dtype, t):
+    """gpt-oss's experts: gate/up and down biases, (up + 1) * gate * sigmoid(alpha * gate) with
+    both clamped (a limit the random projections cross), ids of other ranks; the same through
+    the engine's reference experts (engine.layers.moe) in fp32."""
+    x, w13, w2, weights, ids = make_case(t, 5, 2, dtype, off_rank=0.2, seed=30 + t)
+    g = torch.Generator().manual_seed(t)
+    b13 = (torch.randn(5, 2 * INTER, generator=g) * 0.5).to(w13)
+    b2 = (torch.randn(5, H, generator=g) * 0.5).to(w13)
+    extra = dict(b13=b13, b2=b2, activation="swiglu_limit", alpha=1.702, limit=0.6)
+    got = fused_moe(x, w13, w2, weights, ids, **extra)
+    want = fused_moe_ref(x, w13, w2, weights, ids, **extra)
+    _close(got, want, dtype)
+    assert not torch.allclose(got.float(), fused_moe_ref(x, w13, w2, weights, ids).float(),
+                              atol=1e-2)
+    if dtype == torch.float32:
+        from engine.config import MoEConfig
+        from engine.layers.moe import Experts, MoEMethod
+        from engine.parallel import SINGLE
+
+        moe = MoEConfig(num_experts=5, top_k=2, intermediate_size=INTER, layers=(0,),
+                        expert_bias=True, activation="swiglu_limit", swiglu_limit=0.6)
+        ex = Experts(5, H, INTER, SINGLE, False, moe)
+        for param, value in ((ex.gate_up_proj, w13), (ex.down_proj, w2),
+                             (ex.gate_up_proj_bias, b13), (ex.down_proj_bias, b2)):
+            param.data.copy_(value.cpu())
+        _close(MoEMethod().apply(ex, x.cpu(), weights.cpu(), ids.cpu()), want.cpu(), dtype)
+
+
 def test_off_rank_tokens_get_zeros_and_views_of_x_work():
     """A token whose every slot is on another rank gets exact zeros; x may be a view with a
     row stride (its last dim contiguous); another SM count (other column tiles) agrees."""

@@ -321,8 +321,15 @@ class TritonMoE(MoEMethod):
 
     def apply(self, experts: Experts, x: torch.Tensor, weights: torch.Tensor,
               ids: torch.Tensor) -> torch.Tensor:
+        moe = experts.moe
+        extra = {}
+        if moe is not None and (moe.expert_bias or moe.activation != "silu"):
+            extra = dict(b13=experts.gate_up_proj_bias, b2=experts.down_proj_bias,
+                         activation=moe.activation, alpha=moe.swiglu_alpha,
+                         limit=moe.swiglu_limit)
         return self._fused(x.contiguous(), experts.gate_up_proj, experts.down_proj,
-                           weights.float().contiguous(), ids.contiguous(), self.num_sms)
+                           weights.float().contiguous(), ids.contiguous(), self.num_sms,
+                           **extra)
 
 
 def graph_safe(model: nn.Module) -> bool:
@@ -332,18 +339,10 @@ def graph_safe(model: nn.Module) -> bool:
 
 
 def moe_method_for(opts: LayerOptions, moe: MoEConfig | None = None) -> MoEMethod:
-    """The backend for `opts` (`opts.moe_backend`: auto, or one forced). The fused kernel
-    computes SwiGLU experts without biases: experts with biases or gpt-oss's activation run
-    grouped (also on CUDA, eagerly)."""
+    """The backend for `opts` (`opts.moe_backend`: auto, or one forced); every backend takes
+    the experts' biases and activation (`moe`)."""
     choice, linear = opts.moe_backend, opts.linear
     float_weights = linear.name not in ("int8",) and not hasattr(linear, "scheme")
-    plain = moe is None or (moe.activation == "silu" and not moe.expert_bias)
-    if choice == "triton" and not plain:
-        raise ValueError("--moe-backend triton computes SwiGLU experts without biases; this "
-                         "model's experts have biases or another activation (grouped or "
-                         "reference run them)")
-    if choice == "auto" and not plain:
-        return GroupedMoE(linear)
     if choice == "reference":
         if not float_weights:
             raise ValueError("--moe-backend reference takes float weights; integer experts "

@@ -2,9 +2,9 @@
 logit per head and q/k/v/o biases, YaRN rotary; every feed-forward an MoE whose router has a
 bias (softmax over the top-k logits: the renormalized top-k of the softmax) and whose experts
 have biases and a clamped SwiGLU ((up + 1) * gate * sigmoid(1.702 * gate), both clamped to 7).
-The experts are stored fused, [E, H, 2I] with gate and up columns alternating; they run on the
-grouped MoE backend (the fused Triton kernel computes SwiGLU without biases). MXFP4 checkpoints
-(the published ones) are refused by name: dequantize them to bf16 first."""
+The experts are stored fused, [E, H, 2I] with gate and up columns alternating; every MoE
+backend takes their biases and activation (on CUDA the fused Triton kernel, in CUDA graphs).
+MXFP4 checkpoints (the published ones) are refused by name: dequantize them to bf16 first."""
 
 from __future__ import annotations
 
