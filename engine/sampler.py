@@ -51,8 +51,10 @@ def uniform(seed: int, index: int, stream: int = 0) -> float:
 
 
 # top-p looks for the nucleus among each row's CANDIDATES most likely tokens first (a partial
-# top-k, no full-vocabulary sort); rows whose nucleus reaches past them are sorted in full.
+# top-k, no full-vocabulary sort), then among SPILL_CANDIDATES for the rows whose nucleus reaches
+# past those (flatter distributions); only rows it reaches past both are sorted in full.
 CANDIDATES = 256
+SPILL_CANDIDATES = 4096
 
 
 def _keep_prefix(x: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor, n: torch.Tensor
@@ -81,12 +83,13 @@ def filter_rows(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     Top-p keeps a token while the probability mass of the tokens ranked above it is below
     top_p (the first always stays; ties ranked by id). It is decided on the CANDIDATES (or
     max_top_k) most likely tokens where the nucleus ends within them, which is every row of a
-    peaked distribution, and on a full sort of the rows where it does not.
+    peaked distribution, else on the SPILL_CANDIDATES most likely, and on a full sort of the
+    rows where it ends past those too.
 
     Also returns the candidate ids [R, C] when every `drawn` row keeps nothing outside them,
     so the draw can sum over C tokens instead of the vocabulary (else None). One host sync at
-    most (whether any row spills, whether the candidates hold every drawn row). `sort_all`:
-    every top-p row takes the full sort (the memory profile's worst case)."""
+    most, and one more where rows spill past the first candidates. `sort_all`: every top-p
+    row takes the full sort (the memory profile's worst case)."""
     v = x.shape[-1]
     if min_p is not None:
         probs = x.softmax(-1)
@@ -123,12 +126,34 @@ def filter_rows(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     any_spill, holds = torch.stack([spill.any(), holds]).tolist()
     if any_spill:
         rows = spill.nonzero()[:, 0]
-        xs = x[rows]
-        svals, sids = xs.sort(dim=-1, descending=True, stable=True)
-        sp = xs.softmax(-1).gather(1, sids)
-        sn = ((sp.cumsum(-1) - sp) < top_p[rows, None]).sum(-1).clamp(min=1)
-        x = x.index_copy(0, rows, _keep_prefix(xs, svals, sids, sn))
+        x = x.index_copy(0, rows, _wide_nucleus(x[rows], top_p[rows], sort_all))
     return x, ids if holds else None
+
+
+def _wide_nucleus(xs: torch.Tensor, top_p: torch.Tensor, sort_all: bool) -> torch.Tensor:
+    """Rows whose nucleus passed their first candidates: decided among SPILL_CANDIDATES, and
+    by a full stable sort for the rows it passes those too (every row when sort_all). The
+    same cumulative sums as the first tier's: the decisions agree whichever tier makes them."""
+    v = xs.shape[-1]
+    c = min(v, SPILL_CANDIDATES)
+    fits = torch.zeros(xs.shape[0], dtype=torch.bool, device=xs.device)
+    out = xs
+    if not sort_all:
+        vals, ids = xs.topk(c, dim=-1)
+        p = xs.softmax(-1).gather(1, ids)
+        before = p.cumsum(-1) - p
+        n = (before < top_p[:, None]).sum(-1).clamp(min=1)
+        last = vals.gather(1, (n - 1)[:, None])[:, 0]
+        fits = ((before[:, -1] >= top_p) & (vals[:, -1] < last)) | (c == v)
+        out = _keep_prefix(xs, vals, ids, n)
+    if not bool(fits.all()):
+        rows = (~fits).nonzero()[:, 0]
+        sub = xs[rows]
+        svals, sids = sub.sort(dim=-1, descending=True, stable=True)
+        sp = sub.softmax(-1).gather(1, sids)
+        sn = ((sp.cumsum(-1) - sp) < top_p[rows, None]).sum(-1).clamp(min=1)
+        out = out.index_copy(0, rows, _keep_prefix(sub, svals, sids, sn))
+    return out
 
 
 def _if_holding(ids: torch.Tensor, bounded: torch.Tensor, drawn: torch.Tensor | None

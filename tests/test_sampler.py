@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from engine.request import SamplingParams
@@ -144,12 +145,17 @@ def _sorted_reference(x: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor
     return x
 
 
-def test_top_p_without_a_full_sort_keeps_the_sorted_nucleus_and_draws():
+@pytest.mark.parametrize("spill", [512, 4096])
+def test_top_p_without_a_full_sort_keeps_the_sorted_nucleus_and_draws(monkeypatch, spill):
     """Top-p is decided on each row's most likely candidates where its nucleus ends among
-    them, and by a full sort where it does not (flat rows, ties reaching past the candidates):
-    the kept tokens and the drawn tokens are those of the full stable sort in every case,
-    batched or alone."""
+    them, on the wider second tier where it ends past those (flat rows), and by a full sort
+    where it ends past both (spill 512: the flat rows; ties reaching past the candidates): the
+    kept tokens and the drawn tokens are those of the full stable sort in every case, batched
+    or alone."""
+    import engine.sampler
     from engine.sampler import CANDIDATES, sampling_probs
+
+    monkeypatch.setattr(engine.sampler, "SPILL_CANDIDATES", spill)
 
     g = torch.Generator().manual_seed(11)
     v = 4 * CANDIDATES
