@@ -110,13 +110,8 @@ def filter_rows(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     if not any_top_p:
         return x, _if_holding(ids, bounded, drawn)
     on = top_p < 1.0
-    p = x.softmax(-1).gather(1, ids)                                     # [R, C]
-    before = p.cumsum(-1) - p                     # mass ranked above each candidate
-    n = (before < top_p[:, None]).sum(-1).clamp(min=1)                   # kept among them
-    last = vals.gather(1, (n - 1)[:, None])[:, 0]
-    # decided on the candidates when the last one is dropped and no tie reaches past them
-    # (or top-k already leaves nothing outside them)
-    fits = bounded | ((before[:, -1] >= top_p) & (vals[:, -1] < last)) | (c == v)
+    n, decided = _nucleus_in(x, vals, ids, top_p)
+    fits = bounded | decided          # (top-k may already leave nothing outside them)
     if sort_all:
         fits = torch.zeros_like(on)
     x = torch.where((on & fits)[:, None], _keep_prefix(x, vals, ids, n), x)
@@ -130,21 +125,28 @@ def filter_rows(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     return x, ids if holds else None
 
 
+def _nucleus_in(x: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor, top_p: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """How many of a row's candidates (vals / ids [R, C], by value descending) top-p keeps,
+    and whether that is decided on them: the last candidate is dropped and no tie with the
+    last kept one reaches past them (or they are the whole vocabulary)."""
+    p = x.softmax(-1).gather(1, ids)                                     # [R, C]
+    before = p.cumsum(-1) - p                     # mass ranked above each candidate
+    n = (before < top_p[:, None]).sum(-1).clamp(min=1)
+    last = vals.gather(1, (n - 1)[:, None])[:, 0]
+    whole = vals.shape[1] == x.shape[1]
+    return n, ((before[:, -1] >= top_p) & (vals[:, -1] < last)) | whole
+
+
 def _wide_nucleus(xs: torch.Tensor, top_p: torch.Tensor, sort_all: bool) -> torch.Tensor:
     """Rows whose nucleus passed their first candidates: decided among SPILL_CANDIDATES, and
     by a full stable sort for the rows it passes those too (every row when sort_all). The
     same cumulative sums as the first tier's: the decisions agree whichever tier makes them."""
-    v = xs.shape[-1]
-    c = min(v, SPILL_CANDIDATES)
     fits = torch.zeros(xs.shape[0], dtype=torch.bool, device=xs.device)
     out = xs
     if not sort_all:
-        vals, ids = xs.topk(c, dim=-1)
-        p = xs.softmax(-1).gather(1, ids)
-        before = p.cumsum(-1) - p
-        n = (before < top_p[:, None]).sum(-1).clamp(min=1)
-        last = vals.gather(1, (n - 1)[:, None])[:, 0]
-        fits = ((before[:, -1] >= top_p) & (vals[:, -1] < last)) | (c == v)
+        vals, ids = xs.topk(min(xs.shape[-1], SPILL_CANDIDATES), dim=-1)
+        n, fits = _nucleus_in(xs, vals, ids, top_p)
         out = _keep_prefix(xs, vals, ids, n)
     if not bool(fits.all()):
         rows = (~fits).nonzero()[:, 0]
