@@ -57,11 +57,16 @@ CANDIDATES = 256
 SPILL_CANDIDATES = 4096
 
 
-def _keep_prefix(x: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor, n: torch.Tensor
-                 ) -> torch.Tensor:
+def _keep_prefix(x: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor, n: torch.Tensor,
+                 stable: bool = False) -> torch.Tensor:
     """x [R, V] with all but each row's n[r] most likely tokens set to -inf, given candidates
-    vals/ids [R, C] sorted by value (descending; ties in any order) holding them. Among tokens
-    tied at the last kept value, the lowest ids stay (what a stable descending sort keeps)."""
+    vals/ids [R, C] sorted by value (descending; ties in any order unless `stable`: by id)
+    holding them. Among tokens tied at the last kept value, the lowest ids stay (what a stable
+    descending sort keeps)."""
+    out = torch.full_like(x, float("-inf"))
+    if stable:                           # the first n are the ones kept
+        keep = torch.arange(vals.shape[1], device=x.device)[None, :] < n[:, None]
+        return out.scatter(1, ids, torch.where(keep, vals, float("-inf")))
     last = vals.gather(1, (n - 1)[:, None])                              # [R, 1]
     tied = vals == last
     m = n[:, None] - (vals > last).sum(-1, keepdim=True)                 # tied tokens kept
@@ -69,7 +74,6 @@ def _keep_prefix(x: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor, n: torc
     tied_ids = torch.where(tied, ids, torch.iinfo(ids.dtype).max).sort(-1).values
     id_cap = tied_ids.gather(1, (m - 1).clamp(min=0))
     keep = (vals > last) | (tied & (ids <= id_cap))
-    out = torch.full_like(x, float("-inf"))
     return out.scatter(1, ids, torch.where(keep, vals, float("-inf")))
 
 
@@ -110,7 +114,7 @@ def filter_rows(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     if not any_top_p:
         return x, _if_holding(ids, bounded, drawn)
     on = top_p < 1.0
-    n, decided = _nucleus_in(x, vals, ids, top_p)
+    n, decided, reach = _nucleus_in(x, vals, ids, top_p, SPILL_CANDIDATES)
     fits = bounded | decided          # (top-k may already leave nothing outside them)
     if sort_all:
         fits = torch.zeros_like(on)
@@ -121,40 +125,47 @@ def filter_rows(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     any_spill, holds = torch.stack([spill.any(), holds]).tolist()
     if any_spill:
         rows = spill.nonzero()[:, 0]
-        x = x.index_copy(0, rows, _wide_nucleus(x[rows], top_p[rows], sort_all))
+        wide = (reach[rows] >= top_p[rows]) & (not sort_all)   # else no use trying it
+        x = x.index_copy(0, rows, _wide_nucleus(x[rows], top_p[rows], wide))
     return x, ids if holds else None
 
 
-def _nucleus_in(x: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor, top_p: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def _nucleus_in(x: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor, top_p: torch.Tensor,
+                 wider: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """How many of a row's candidates (vals / ids [R, C], by value descending) top-p keeps,
-    and whether that is decided on them: the last candidate is dropped and no tie with the
-    last kept one reaches past them (or they are the whole vocabulary)."""
+    whether that is decided on them (the last candidate is dropped and no tie with the last
+    kept one reaches past them, or they are the whole vocabulary), and the most mass `wider`
+    candidates could hold (theirs, plus each further one at most the last one's)."""
     p = x.softmax(-1).gather(1, ids)                                     # [R, C]
-    before = p.cumsum(-1) - p                     # mass ranked above each candidate
+    cum = p.cumsum(-1)
+    before = cum - p                              # mass ranked above each candidate
     n = (before < top_p[:, None]).sum(-1).clamp(min=1)
     last = vals.gather(1, (n - 1)[:, None])[:, 0]
     whole = vals.shape[1] == x.shape[1]
-    return n, ((before[:, -1] >= top_p) & (vals[:, -1] < last)) | whole
+    reach = cum[:, -1] + max(wider - vals.shape[1], 0) * p[:, -1]
+    return n, ((before[:, -1] >= top_p) & (vals[:, -1] < last)) | whole, reach
 
 
-def _wide_nucleus(xs: torch.Tensor, top_p: torch.Tensor, sort_all: bool) -> torch.Tensor:
-    """Rows whose nucleus passed their first candidates: decided among SPILL_CANDIDATES, and
-    by a full stable sort for the rows it passes those too (every row when sort_all). The
-    same cumulative sums as the first tier's: the decisions agree whichever tier makes them."""
+def _wide_nucleus(xs: torch.Tensor, top_p: torch.Tensor, wide: torch.Tensor) -> torch.Tensor:
+    """Rows whose nucleus passed their first candidates: decided among SPILL_CANDIDATES
+    where `wide` (rows whose nucleus those can hold at all), and by a full stable sort for the
+    rest (every row in the memory profile). The same cumulative sums as the first tier's: the
+    decisions agree whichever tier makes them."""
     fits = torch.zeros(xs.shape[0], dtype=torch.bool, device=xs.device)
     out = xs
-    if not sort_all:
-        vals, ids = xs.topk(min(xs.shape[-1], SPILL_CANDIDATES), dim=-1)
-        n, fits = _nucleus_in(xs, vals, ids, top_p)
-        out = _keep_prefix(xs, vals, ids, n)
+    if bool(wide.any()):
+        rows = wide.nonzero()[:, 0]
+        sub = xs[rows]
+        vals, ids = sub.topk(min(xs.shape[-1], SPILL_CANDIDATES), dim=-1)
+        n, decided, _ = _nucleus_in(sub, vals, ids, top_p[rows])
+        fits = fits.index_copy(0, rows, decided)
+        out = out.index_copy(0, rows, _keep_prefix(sub, vals, ids, n))
     if not bool(fits.all()):
         rows = (~fits).nonzero()[:, 0]
         sub = xs[rows]
         svals, sids = sub.sort(dim=-1, descending=True, stable=True)
-        sp = sub.softmax(-1).gather(1, sids)
-        sn = ((sp.cumsum(-1) - sp) < top_p[rows, None]).sum(-1).clamp(min=1)
-        out = out.index_copy(0, rows, _keep_prefix(sub, svals, sids, sn))
+        n, _, _ = _nucleus_in(sub, svals, sids, top_p[rows])
+        out = out.index_copy(0, rows, _keep_prefix(sub, svals, sids, n, stable=True))
     return out
 
 

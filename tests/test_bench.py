@@ -252,10 +252,12 @@ def test_stepbench_splits_a_decode_step_into_linears_and_the_rest(model_dir, tmp
     out = tmp_path / "step.json"
     proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "stepbench", "--model",
                            str(model_dir), "--batch", "3", "--context", "40", "--steps", "2",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+                           "--temperature", "1.0", "--top-p", "0.9", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     got = json.loads(out.read_text())
     assert got["batch"] == 3 and got["backend"] == "torch"
+    assert got["sampling"] == "temperature 1.0, top-p 0.9"
     assert 0 < got["linear_ms"] < got["step_ms"]
     assert abs(got["outside_ms"] - (got["step_ms"] - got["linear_ms"])) < 1e-6
     assert "outside them" in proc.stdout

@@ -2,7 +2,8 @@
 layers.
 
 The model (default: the fetched one) serves --batch sequences of --context random prompt tokens;
-once every prompt is computed, --steps decode steps are timed (greedy; the first few are warm-up).
+once every prompt is computed, --steps decode steps are timed (greedy, or sampled with
+--temperature / --top-p / --top-k, seeded per sequence; the first few are warm-up).
 Each linear layer's forward is timed too, so the report splits a step into its linear layers
 (the weights' matmuls, lm_head included) and everything else (attention, norms, rotary,
 activation, sampling, the engine's own bookkeeping).
@@ -152,9 +153,11 @@ def _add_requests(args, eng: Engine, new: int) -> bool:
 
         spec = StructuredSpec("json_schema", json.dumps(ENDLESS_SCHEMA))
         grammar = GrammarCompiler(eng.model_dir, vocab, eng.model_cfg.eos_token_ids).compile(spec)
-    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True,
-                            structured=spec)
+    sampling = dict(temperature=getattr(args, "temperature", 0.0),
+                    top_p=getattr(args, "top_p", 1.0), top_k=getattr(args, "top_k", 0))
     for i in range(args.batch):
+        params = SamplingParams(max_tokens=new, ignore_eos=True, structured=spec, seed=i,
+                                **sampling)
         req = Request(str(i), torch.randint(0, vocab, (args.context,), generator=gen).tolist(),
                       params)
         if grammar is not None:
@@ -164,6 +167,15 @@ def _add_requests(args, eng: Engine, new: int) -> bool:
               for r in list(eng.scheduler.waiting) + eng.scheduler.running):
         eng.step()
     return structured
+
+
+def _sampling(args) -> str:
+    t = getattr(args, "temperature", 0.0)
+    if not t:
+        return "greedy"
+    top_p, top_k = getattr(args, "top_p", 1.0), getattr(args, "top_k", 0)
+    extra = [f"top-p {top_p}" if top_p < 1.0 else "", f"top-k {top_k}" if top_k else ""]
+    return ", ".join([f"temperature {t}"] + [e for e in extra if e])
 
 
 def _timed_steps(args, eng: Engine) -> tuple[list[float], list[float], list[float]]:
@@ -209,7 +221,7 @@ def _measure(args, eng: Engine, new: int) -> dict:
                batch=args.batch, context=args.context, threads=args.threads, tensor_parallel=tp,
                backend=runner.backend.name, cpu_attention=cpu_path, linear_methods=methods, step_ms=step * 1e3, linear_ms=lin * 1e3,
                outside_ms=(step - lin) * 1e3, outside_share=(step - lin) / step,
-               best_step_ms=min(steps) * 1e3)
+               best_step_ms=min(steps) * 1e3, sampling=_sampling(args))
     if structured:
         mask = statistics.median(masks[WARMUP:])
         out.update(structured="json", mask_ms=mask * 1e3, mask_share=mask / step)
@@ -218,7 +230,8 @@ def _measure(args, eng: Engine, new: int) -> dict:
         backend = next(m for m in eng.model.modules() if isinstance(m, Experts)).method.name
         print(f"MoE: {moe.num_experts} experts, top-{moe.top_k}, {len(moe.layers)} MoE "
               f"layers; experts' backend {backend}")
-    print(f"batch {args.batch}, {args.context}-token contexts, {args.threads} thread(s)"
+    print(f"batch {args.batch}, {args.context}-token contexts, {out['sampling']}, "
+          f"{args.threads} thread(s)"
           f"{f' x {tp} ranks' if tp > 1 else ''}, "
           f"{out['backend']}{f'/{cpu_path}' if cpu_path else ''} attention, linear {'+'.join(methods)}: decode step {out['step_ms']:.1f} ms (median of "
           f"{args.steps}, best {out['best_step_ms']:.1f}); linear layers {out['linear_ms']:.1f} "
@@ -333,6 +346,10 @@ def register(sub) -> None:
     p.add_argument("--expert-parallel", action="store_true",
                    help="MoE models: experts split whole over the ranks (as the workers' flag)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample the decoded tokens (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature")
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature")
     p.add_argument("--structured", default="off", choices=["off", "json"],
                    help="json: every sequence follows a JSON-schema grammar; the report adds "
                         "the grammar masks' time per step")
