@@ -106,16 +106,6 @@ class LayerAttention:
     rope_theta: float = 0.0   # this layer's rotary base (0: the model's)
     rope_scaling: tuple | None = None   # this layer's rotary scaling (None: the model's)
 
-    @property
-    def plain(self) -> bool:
-        """Causal attention over the whole context, nothing else (the rotary may differ)."""
-        return not (self.window or self.softcap or self.sinks)
-
-    def features(self) -> list[str]:
-        return [name for name, on in (("sliding windows", self.window),
-                                      ("logit soft-capping", self.softcap),
-                                      ("attention sinks", self.sinks)) if on]
-
 
 FULL = LayerAttention()
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")     # the gated MLP's activation
@@ -170,19 +160,6 @@ class ModelConfig:
 
     def attention_of(self, layer: int) -> LayerAttention:
         return self.layer_attention[layer] if self.layer_attention else FULL
-
-    @property
-    def attention_features(self) -> list[str]:
-        """What any layer's attention adds to causal GQA (sliding windows, ...)."""
-        seen: list[str] = []
-        for spec in self.layer_attention:
-            seen += [f for f in spec.features() if f not in seen]
-        return seen
-
-    @property
-    def max_window(self) -> int:
-        """The longest sliding window of any layer (0: none slides)."""
-        return max((a.window for a in self.layer_attention), default=0)
 
     @property
     def rope_dim(self) -> int:

@@ -116,8 +116,7 @@ def backend_names() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def resolve_backend_name(name: str, device: torch.device, model: ModelConfig | None = None
-                         ) -> str:
+def resolve_backend_name(name: str, device: torch.device) -> str:
     """"auto": triton on CUDA, torch elsewhere."""
     if name == "auto":
         return "triton" if device.type == "cuda" else "torch"
@@ -135,7 +134,7 @@ def create_backend(name: str, model: ModelConfig, block_size: int, dtype: torch.
     (torch_backend.CPU_ATTENTION); another backend takes only "auto"."""
     import importlib
 
-    resolved = resolve_backend_name(name, device, model)
+    resolved = resolve_backend_name(name, device)
     module, cls = _BACKENDS[resolved].split(":")
     backend_cls = getattr(importlib.import_module(module), cls)
     if resolved == "torch":

@@ -32,6 +32,7 @@ import torch
 
 from engine.attention.base import AttentionBackend, BatchLayout
 from engine.attention.block_tables import DeviceBlockTables
+from engine.config import FULL, LayerAttention
 from pdkernels import triton_attention as ta
 from pdkernels.triton_attention import MAX_SPLITS
 from pdkernels.triton_kv_store import store_kv
@@ -163,8 +164,8 @@ class TritonBackend(AttentionBackend):
         h["slot_mapping"][:int(qsl[n])] = block * bs + pos % bs
         return count
 
-    def forward(self, q, k, v, rope, cache, meta: TritonMetadata, scale: float, spec=None,
-                sinks=None):
+    def forward(self, q, k, v, rope, cache, meta: TritonMetadata, scale: float,
+                spec: LayerAttention = FULL, sinks=None):
         cos, sin = rope
         k_cache, v_cache = cache[0], cache[1]
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping, q=q, cos=cos[:, 0], sin=sin[:, 0])
@@ -177,7 +178,6 @@ class TritonBackend(AttentionBackend):
                            num_splits=meta.num_splits,
                            partial_out=self.partial_out if split else None,
                            partial_lse=self.partial_lse if split else None,
-                           window=spec.window if spec is not None else 0,
-                           softcap=spec.softcap if spec is not None else 0.0,
+                           window=spec.window, softcap=spec.softcap,
                            sinks=sinks.float() if sinks is not None else None)
         return out

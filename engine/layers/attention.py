@@ -36,9 +36,5 @@ class Attention(nn.Module):
                 rope: tuple[torch.Tensor, torch.Tensor], cache: torch.Tensor, meta
                 ) -> torch.Tensor:
         """q [T, H, D], k, v [T, KVH, D]; cache [2, N, block_size, KVH, D] -> [T, H * D]."""
-        if self.spec.plain:
-            out = self.backend.forward(q, k, v, rope, cache, meta, self.scale)
-        else:
-            out = self.backend.forward(q, k, v, rope, cache, meta, self.scale, self.spec,
-                                       self.sinks)
+        out = self.backend.forward(q, k, v, rope, cache, meta, self.scale, self.spec, self.sinks)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
