@@ -161,7 +161,7 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
                     blocks = await self.aengine.reserve(req)
                 except ADMISSION_ERRORS as exc:
                     await refuse(context, exc)
-                cached = req.num_cached_blocks        # set by the engine thread on reserve
+                cached = req.kv_cached_entries        # set by the engine thread on reserve
                 target = TransferTarget(self.receiver.name, self.receiver.address(),
                                         self.ident.id, self.sink.layout, tuple(blocks), cached,
                                         self.receiver.metadata())

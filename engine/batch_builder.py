@@ -48,11 +48,12 @@ class PromptRows:
 
 
 class BatchBuilder:
-    """`block_table(request_id)`: the request's blocks (the KV cache manager's);
+    """`block_table(request_id)`: the request's tables, one per KV group (the KV cache
+    manager's group_tables);
     `table_id(request_id)`: the id that table lives under (None: tables are not named, and a
     backend uploads each whole every step)."""
 
-    def __init__(self, block_table: Callable[[str], list[int]], vocab_size: int,
+    def __init__(self, block_table: Callable[[str], list[list[int]]], vocab_size: int,
                  table_id: Callable[[str], int | None] | None = None) -> None:
         self.block_table = block_table
         self.table_id = table_id
@@ -92,7 +93,8 @@ class BatchBuilder:
                 for j in range(first, first + 1 + k):      # min_tokens yields to the end
                     if req.structured_state.allows_only_end(bitmask, j):
                         rows[j] = replace(rows[j], grammar_ends=True)
-        return StepInputs(ids, BatchLayout(tables, starts, q_lens, table_ids), sample_rows,
+        return StepInputs(ids, BatchLayout.of_groups(tables, starts, q_lens, table_ids),
+                          sample_rows,
                           rows, bitmask,
                           prompt.rows, prompt.targets, prompt.top, prompt.owners)
 

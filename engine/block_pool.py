@@ -47,6 +47,7 @@ class BlockPool:
         self._hash_of: list[int | None] = [None] * num_blocks
         self._tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
         self._cached: dict[int, int] = {}                 # block hash -> block id
+        self._quiet: set[int] = set()       # cached blocks kept out of the events (KV groups)
         # (STORED | EVICTED, hash), appended here and drained by the directory publisher
         # (another thread: deque append/popleft are atomic).
         self.events: deque[tuple[str, int]] = deque()
@@ -106,15 +107,21 @@ class BlockPool:
                 del self._free[b]
             self._ref[b] += 1
 
-    def cache(self, block_id: int, block_hash: int, tokens: Sequence[int]) -> None:
+    def cache(self, block_id: int, block_hash: int, tokens: Sequence[int],
+              publish: bool = True) -> None:
         """Register a full, computed block. A hash already held by another block keeps that one
-        (two requests computed the same prefix at once; this block stays private)."""
+        (two requests computed the same prefix at once; this block stays private). Not
+        `publish`ed: no event, now or at its eviction (a KV group's key other than the
+        directory's)."""
         if self._hash_of[block_id] is not None or block_hash in self._cached:
             return
         self._hash_of[block_id] = block_hash
         self._tokens_of[block_id] = tuple(tokens)
         self._cached[block_hash] = block_id
-        self.events.append((STORED, block_hash))
+        if publish:
+            self.events.append((STORED, block_hash))
+        else:
+            self._quiet.add(block_id)
 
     def cached_hashes(self) -> list[int]:
         return list(self._cached)
@@ -133,4 +140,7 @@ class BlockPool:
         self._hash_of[b] = self._tokens_of[b] = None
         del self._cached[h]
         self.evictions += 1
-        self.events.append((EVICTED, h))
+        if b in self._quiet:
+            self._quiet.discard(b)
+        else:
+            self.events.append((EVICTED, h))

@@ -418,13 +418,16 @@ class EngineConfig:
 
 
 def kv_bytes_per_block(model: ModelConfig, engine: EngineConfig) -> int:
-    """Bytes one block takes across all layers (K and V) on one rank: its own KV heads under
-    tensor parallelism (engine.parallel.head_range)."""
+    """Bytes one block takes across its layer planes (K and V) on one rank: its own KV heads
+    under tensor parallelism (engine.parallel.head_range)."""
     from engine.parallel import head_range
 
     elem = torch.empty((), dtype=engine.torch_dtype).element_size()
+    from engine.kv_groups import of_engine
+
     heads = head_range(model.num_kv_heads, engine.tensor_parallel_size, 0)[1]
-    return 2 * model.num_layers * engine.block_size * heads * model.head_dim * elem
+    slots = of_engine(model, engine).slots         # layer planes of a block (engine.kv_groups)
+    return 2 * slots * engine.block_size * heads * model.head_dim * elem
 
 
 def blocks_for_gib(model: ModelConfig, engine: EngineConfig, gib: float) -> int:

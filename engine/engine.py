@@ -86,18 +86,23 @@ class Engine:
     def _setup(self, cfg: EngineConfig, draft_model) -> None:
         self.cfg = cfg
         m = self.model_cfg
-        self.layout = KVLayout(cfg.compute_dtype, cfg.block_size, m.num_layers, m.num_kv_heads,
-                               m.head_dim, cfg.tensor_parallel_size)
+        groups = self.runner.groups
+        self.layout = KVLayout(cfg.compute_dtype, cfg.block_size, groups.slots, m.num_kv_heads,
+                               m.head_dim, cfg.tensor_parallel_size, groups.windows)
         self.pool = BlockPool(cfg.num_blocks)
         hasher = BlockHasher(cfg.block_size, cfg.hash_seed) if cfg.enable_prefix_caching else None
-        self.kv_manager = KVCacheManager(self.pool, cfg.block_size, hasher)
+        self.kv_manager = KVCacheManager(self.pool, cfg.block_size, hasher, groups)
+        if cfg.offload_enabled and groups.sliding:
+            raise ValueError(f"the KV offload tiers (--kv-offload-gib, --kv-offload-disk-gib) "
+                             f"do not serve models with sliding-window KV groups yet "
+                             f"({m.family}: {groups.describe()})")
         self.offload = self._offload() if cfg.offload_enabled else None
         self.scheduler = Scheduler(cfg, self.kv_manager, m.eos_token_ids, cfg.max_model_len)
         self.stats = EngineStats()
         self.last_step: StepStats | None = None
         self.proposer, self.spec = self._speculation(draft_model)
         self._proposals: dict[str, Proposal] = {}    # this step's, by request id
-        self.batch = BatchBuilder(self.kv_manager.block_table, m.vocab_size,
+        self.batch = BatchBuilder(self.kv_manager.group_tables, m.vocab_size,
                                   self.kv_manager.table_id)
         self._timed: dict[str, Request] = {}         # requests with a Timeline, until they end
 

@@ -89,11 +89,10 @@ class KVConnector:
         self.lease_s = lease_s
 
     # ------------------------------------------------------------------ decode: loads
-    def start_load(self, req: Request, table: list[int]) -> Load:
-        """The request's blocks (its `table`) after its cached prefix are to arrive."""
+    def start_load(self, req: Request, blocks: list[int]) -> Load:
+        """The request's `blocks` (those after its cached prefix) are to arrive."""
         now = self.clock()
-        load = Load(req.request_id, list(table[req.num_cached_blocks:]), now,
-                    now + self.load_timeout_s)
+        load = Load(req.request_id, list(blocks), now, now + self.load_timeout_s)
         self.loads[req.request_id] = load
         return load
 
@@ -167,13 +166,12 @@ class KVConnector:
         return late, change
 
     # ------------------------------------------------------------------ prefill: saves
-    def blocks_final(self, req: Request, table: list[int], final: bool) -> RefChange:
-        """The request's blocks (of its `table`) whose KV became final since the last call (all
-        the rest when `final`): the change's `hold`, a reference each until save_done.
-        Streaming survives preemption: blocks already handed out are not handed out again."""
-        n = len(table) if final else min(req.num_computed_tokens // self.block_size, len(table))
-        ready = list(table[req.num_blocks_streamed:n])
-        req.num_blocks_streamed = max(req.num_blocks_streamed, n)
+    def blocks_final(self, req: Request, ready: list[int], upto: int) -> RefChange:
+        """The request's blocks whose KV became final since the last call (`ready`: those of
+        block indices num_blocks_streamed .. upto - 1 a transfer moves, in transfer order):
+        the change's `hold`, a reference each until save_done. Streaming survives preemption:
+        block indices already handed out are not handed out again."""
+        req.num_blocks_streamed = max(req.num_blocks_streamed, upto)
         if ready:
             self._saves.setdefault(req.request_id, _Save()).blocks.extend(ready)
         return RefChange(hold=ready)

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class KVLayout:
-    """The shape of one block across the pool; both ends of a KV transfer must agree on it, all
+    """The shape of one block across the pool (num_layers: its layer planes, every layer for a
+    model of one KV group); both ends of a KV transfer must agree on it, all
     but `tensor_parallel_size`: on the wire a block always holds every KV head in order, and each
     side's rank 0 assembles them from (or splits them to) its ranks, rank r holding heads
     engine.parallel.head_range(num_kv_heads, tensor_parallel_size, r)."""
@@ -22,3 +23,6 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     tensor_parallel_size: int = field(default=1, compare=False)
+    # the KV groups' windows (engine.kv_groups; 0: full): a block holds num_layers layer planes,
+    # of one group's layers, and a transfer lists the entries each group needs
+    groups: tuple[int, ...] = (0,)

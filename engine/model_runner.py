@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from engine.attention.base import BatchLayout, BufferSizes, create_backend
+from engine import kv_groups
 from engine.config import EngineConfig, ModelConfig, kv_bytes_per_block
 from engine.cuda_graphs import DecodeGraphs
 from engine.device_memory import DeviceMemory, MemorySnapshot, check_start, kv_budget
@@ -95,8 +96,10 @@ class ModelRunner:
         m = local_config(model_cfg, tp)          # this rank's heads
         self.max_blocks = -(-cfg.max_model_len // cfg.block_size)
         self.sizes = BufferSizes(cfg.max_num_batched_tokens, cfg.max_num_seqs, self.max_blocks)
+        self.groups = kv_groups.of_engine(model_cfg, cfg)
         self.backend = create_backend(cfg.attention_backend, m, cfg.block_size, self.dtype,
-                                      self.device, self.sizes, cfg.cpu_attention)
+                                      self.device, self.sizes, cfg.cpu_attention,
+                                      self.groups.num_groups)
         quant = quant_formats.resolve(cfg.quantization, None if random_weights else model_dir)
         self.quant_scheme = quant if isinstance(quant, QuantScheme) else None
         if model_cfg.moe is not None and self.quant_scheme is not None:
@@ -121,11 +124,13 @@ class ModelRunner:
         else:
             self.model = load_model(model_dir, self.dtype, self.device, m_full, opts,
                                     round_to=cfg.weight_dtype, scheme=self.quant_scheme)
+        if hasattr(self.model, "kv_placement"):
+            self.model.kv_placement = self.groups.placement()
         self.sampler = Sampler(m.eos_token_ids)
         self.buffers = self._new_buffers(self.sizes)
         self.num_blocks = cfg.num_blocks or self._blocks_from_memory()
-        self.kv = torch.zeros(m.num_layers, 2, self.num_blocks, cfg.block_size, m.num_kv_heads,
-                              m.head_dim, dtype=self.dtype, device=self.device)
+        self.kv = torch.zeros(self.groups.slots, 2, self.num_blocks, cfg.block_size,
+                              m.num_kv_heads, m.head_dim, dtype=self.dtype, device=self.device)
         self.pool = self.kv if tp.size == 1 else ShardedKV(self, model_cfg.num_kv_heads)
         self.graphs = None
         if (self.device.type == "cuda" and self.backend.cuda_graphs and not cfg.enforce_eager
@@ -274,7 +279,8 @@ class ModelRunner:
         return out
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy KV blocks src -> dst in every layer (forked choices), on the current stream."""
+        """Copy KV blocks src -> dst in every layer plane (forked choices), on the current
+        stream."""
         if self.tp.size == 1:
             self._copy_blocks(pairs)
             return
@@ -396,7 +402,7 @@ class ModelRunner:
         weights = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         m = self.local_cfg
-        kv = torch.zeros(m.num_layers, 2, 1, cfg.block_size, m.num_kv_heads, m.head_dim,
+        kv = torch.zeros(self.groups.slots, 2, 1, cfg.block_size, m.num_kv_heads, m.head_dim,
                          dtype=self.dtype, device=dev)
         self._profile_step(kv, cfg.max_num_batched_tokens)
         peak = torch.cuda.max_memory_allocated(dev)

@@ -201,6 +201,8 @@ class Request:
     num_cached_blocks: int = 0            # leading blocks registered in the prefix cache
     num_cached_tokens: int = 0            # prompt tokens found in the prefix cache at admission
     num_blocks_streamed: int = 0          # prefill: leading blocks handed out for transfer
+    kv_tokens: int = 0                    # prefill: tokens whose KV the transfer moves
+    kv_cached_entries: int = 0            # decode: leading transfer entries cached here
     spec_token_ids: list[int] = field(default_factory=list)  # proposals verified this step
     # n > 1: choice 0 is the request itself; choices 1.. are forked from it once its prompt is
     # computed (engine.scheduler), sharing the prompt's full blocks. `group` is the id of the

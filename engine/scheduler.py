@@ -77,6 +77,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission
     def add(self, req: Request) -> None:
+        if self.cfg.role == "prefill":
+            req.kv_tokens = req.num_tokens          # what the decode worker receives the KV of
         req.arrival, self._arrivals = self._arrivals, self._arrivals + 1
         req.status = Status.WAITING
         self.waiting.append(req)
@@ -84,20 +86,26 @@ class Scheduler:
     def reserve_remote(self, req: Request) -> list[int] | None:
         """Decode role: allocate blocks for the prompt (and the output tokens of a resumed
         request), whose KV another worker will write. Blocks of the prefix cached here are
-        reused: only the blocks after the first `req.num_cached_blocks` need to arrive. Returns
-        the block ids, or None when the pool cannot hold the tokens now, or while the prefix
-        is being restored from the offload tiers (ask again)."""
+        reused: only the blocks after the first `req.num_cached_blocks` need to arrive. Sliding
+        KV groups get only the blocks the window of the first decode reads. Returns the
+        blocks a sender writes, in transfer order (KVCacheManager.transfer_entries; the first
+        `req.kv_cached_entries` of them are the cached prefix's, not sent), or None when the
+        pool cannot hold the tokens now, or while the prefix is being restored from the
+        offload tiers (ask again)."""
         hits = self.kv.cached_prefix(req, req.num_tokens)
         if hits is None:                  # its prefix is being restored from the offload tiers
             return None
-        if self.kv.allocate_slots(req.request_id, req.num_tokens, prefix=hits) is None:
+        n = req.num_tokens
+        if self.kv.allocate_slots(req.request_id, n, prefix=hits, start=n - 1) is None:
             return None
         self._note_hits(req, len(hits))
         req.arrival, self._arrivals = self._arrivals, self._arrivals + 1
         req.status = Status.WAITING_FOR_REMOTE_KV
         self.remote[req.request_id] = req
-        self.connector.start_load(req, self.kv.block_table(req.request_id))
-        return list(self.kv.block_table(req.request_id))
+        entries = self.kv.transfer_entries(req.request_id, 0, self.kv.blocks_needed(n), n)
+        req.kv_cached_entries = self.kv.transfer_count(0, len(hits), n)
+        self.connector.start_load(req, entries[req.kv_cached_entries:])
+        return entries
 
     def remote_ready(self, request_id: str, first_token: int,
                      logprob: TokenLogprob | None) -> RequestOutput | None:
@@ -142,7 +150,8 @@ class Scheduler:
         if req is None:
             return False
         self.end_load(request_id, sender_stopped=False)
-        if self.connector.is_quarantined(request_id):
+        if self.connector.is_quarantined(request_id) or self.kv.groups.sliding:
+            # (a sliding group's reservation lacks the blocks the prompt's own windows read)
             self.kv.free(request_id)
             req.num_computed_tokens = req.num_cached_blocks = req.num_cached_tokens = 0
         else:
@@ -260,7 +269,8 @@ class Scheduler:
                 n = 1 + len(spec)
             else:
                 n = _chunk(req.num_tokens - req.num_computed_tokens, budget, cap)
-            while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
+            while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n,
+                                         start=req.num_computed_tokens) is None:
                 if spec:                            # drop the proposals before preempting
                     spec.clear()
                     n = 1
@@ -289,7 +299,7 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[i]
-            hits: list[int] | None = []
+            hits = []
             if req.num_computed_tokens == 0 and not self.kv.block_table(req.request_id) \
                     and req.params.prompt_logprobs is None:   # those need every prompt row
                 # at least one token is computed, so the step has logits to sample from
@@ -299,7 +309,8 @@ class Scheduler:
                     continue
             computed = req.num_computed_tokens + len(hits) * self.kv.block_size
             n = _chunk(req.num_tokens - computed, budget, cap if len(self.waiting) > 1 else budget)
-            if self.kv.allocate_slots(req.request_id, computed + n, prefix=hits) is None:
+            if self.kv.allocate_slots(req.request_id, computed + n, prefix=hits,
+                                      start=computed) is None:
                 if self._release_waiting(keep=req) or self._release_idle_beam(keep=req):
                     continue                         # try the head again
                 if req.beam_group is not None:       # an older search's beam may get room
@@ -519,7 +530,11 @@ class Scheduler:
 
     def _blocks_final(self, req: Request, final: bool) -> list[int]:
         """Prefill role: the blocks handed to the request's send now, a reference each."""
-        change = self.connector.blocks_final(req, self.kv.block_table(req.request_id), final)
+        blocks = len(self.kv.block_table(req.request_id))
+        n = blocks if final else min(req.num_computed_tokens // self.kv.block_size, blocks)
+        lo = req.num_blocks_streamed
+        ready = self.kv.transfer_entries(req.request_id, lo, n, req.kv_tokens) if n > lo else []
+        change = self.connector.blocks_final(req, ready, n)
         self.kv.apply(change)
         return change.hold
 

@@ -16,12 +16,13 @@ def layout_to_pb(layout: KVLayout) -> pb.KVLayout:
     return pb.KVLayout(dtype=layout.dtype, block_size=layout.block_size,
                        num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
                        head_dim=layout.head_dim,
-                       tensor_parallel_size=layout.tensor_parallel_size)
+                       tensor_parallel_size=layout.tensor_parallel_size,
+                       group_windows=list(layout.groups))
 
 
 def layout_from_pb(m: pb.KVLayout) -> KVLayout:
     return KVLayout(m.dtype, m.block_size, m.num_layers, m.num_kv_heads, m.head_dim,
-                    m.tensor_parallel_size or 1)
+                    m.tensor_parallel_size or 1, tuple(m.group_windows) or (0,))
 
 
 def logprob_to_pb(lp: TokenLogprob) -> pb.TokenLogprob:

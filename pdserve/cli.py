@@ -202,8 +202,9 @@ def _add_up(sub) -> None:
 # a group's modules register its actions.
 MODEL_ACTIONS = ("pdserve.modelfetch", "pdserve.quantize")
 TOOLS = ("pdserve.bench.runner", "pdserve.bench.kvbench", "pdserve.bench.linearbench",
-         "pdserve.bench.stepbench", "pdserve.bench.agreebench", "pdserve.bench.grammarbench",
-         "pdserve.bench.choicebench", "pdserve.bench.jsonbench", "pdserve.chaos",
+         "pdserve.bench.stepbench", "pdserve.bench.windowbench", "pdserve.bench.agreebench",
+         "pdserve.bench.grammarbench", "pdserve.bench.choicebench", "pdserve.bench.jsonbench",
+         "pdserve.chaos",
          "pdserve.deploy_secrets", "pdserve.baseline", "pdserve.traces")
 
 

@@ -91,6 +91,12 @@ FAMILIES = {
     "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], rope_theta=1e6),
     "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=64,
                   rope_theta=1e6, tie_word_embeddings=True),
+    # a sliding layer (window 8, under a block: released blocks and KV groups on the device)
+    # and a global one, soft-capped scores and logits
+    "gemma2": dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], sliding_window=8,
+                   layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=32,
+                   attn_logit_softcapping=20.0, final_logit_softcapping=30.0,
+                   hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
 }
 
 
@@ -504,7 +510,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="tiny shapes, no targets, no kernel tests (a smoke test; runs on CPUs "
                         "with TRITON_INTERPRET=1)")
-    p.add_argument("--families", default="llama,qwen2,qwen3", help="parity model families")
+    p.add_argument("--families", default="llama,qwen2,qwen3,gemma2",
+                   help="parity model families")
     p.add_argument("--skip", default="", help="comma list of sections to skip: "
                    + ", ".join(SECTIONS))
     p.add_argument("--deadline", type=float, default=450.0, metavar="SECONDS",

@@ -78,7 +78,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        num_blocks = -(-req.num_tokens // self.layout.block_size)     # resumed: prompt + output
+        n = req.num_tokens                                  # resumed: prompt + output
+        kv = self.aengine.engine.kv_manager
+        num_blocks = kv.transfer_count(0, kv.blocks_needed(n), n)   # (per KV group)
         if len(target.block_ids) != num_blocks:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"the prompt needs {num_blocks} KV blocks; the destination has "

@@ -375,7 +375,7 @@ def _registry_duties(redis_url: str, role: str, ident: WorkerIdentity, aengine, 
     engine, lay = aengine.engine, aengine.engine.layout
     info = WorkerInfo(id=ident.id, role=role, address=ident.address, model=ident.served_model,
                       block_size=lay.block_size, hash_seed=engine.cfg.hash_seed, dtype=lay.dtype,
-                      num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
+                      num_layers=engine.model_cfg.num_layers, num_kv_heads=lay.num_kv_heads,
                       head_dim=lay.head_dim, total_blocks=engine.pool.num_blocks,
                       tensor_parallel_size=lay.tensor_parallel_size, started_at=time.time())
     reg = WorkerRegistration(redis_url, info, load=aengine.load, auth=auth,

@@ -15,7 +15,7 @@ def test_gpu_check_quick_on_cpu(tmp_path):
     out = tmp_path / "rows.jsonl"
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-m", "pdserve.gpucheck", "--quick", "--device", "cpu",
-                           "--families", "qwen3", "--out", str(out)], cwd=ROOT, env=env,
+                           "--families", "qwen3,gemma2", "--out", str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     import json
@@ -23,7 +23,7 @@ def test_gpu_check_quick_on_cpu(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     checks = {(r[0], r[1]) for r in rows}
     assert ("env", "versions") in checks and ("env", "grpc proto code") in checks
-    assert ("parity", "qwen3 float32") in checks
+    assert {("parity", "qwen3 float32"), ("parity", "gemma2 float32")} <= checks
     assert {("decode", "batch 1 ctx 32 eager"), ("prefill", "32-token prompt"),
             ("int8", "batch 1 ctx 32 eager"), ("int4", "batch 1 ctx 32 eager")} <= checks
     assert all(r[4] is not False for r in rows)
@@ -31,8 +31,8 @@ def test_gpu_check_quick_on_cpu(tmp_path):
     assert kv["grpc send of 64 tokens"][4] and kv["torch transport"][4]   # gloo, idle gap
     offload = [r for r in rows if r[0] == "kv offload"]
     assert len(offload) == 3 and "intact" in offload[-1][2]      # store, restore, the race
-    parity = next(r for r in rows if r[0] == "parity")
-    assert "greedy 12/12 same" in parity[2]
+    parity = [r for r in rows if r[0] == "parity"]
+    assert all("greedy 12/12 same" in r[2] for r in parity) and len(parity) == 2
     assert "| section" in proc.stdout and "all checks passed" in proc.stdout
 
 

@@ -3,7 +3,10 @@
     runner, once per step:  meta = backend.build(batch, buffers, pad_to)   (host work + staging)
                             buffers.upload(..., backend.staged(meta))      (one H2D copy)
                             backend.prepare(meta)                          (device-side setup)
-    each layer:             out = backend.forward(q, k, v, rope, cache, meta, scale)
+    each layer:             out = backend.forward(q, k, v, rope, cache, meta[g], scale)
+
+`meta` holds one part per KV group (engine.kv_groups): layer l of group g passes meta[g] and its
+cache plane kv[slot]; the parts differ in the block tables and the slots new tokens go to.
 
 `forward` stores the step's new K/V (rotary applied to q and k) into their slots of the layer's
 cache [2, num_blocks, block_size, kv_heads, head_dim] and attends each sequence's new queries
@@ -33,13 +36,29 @@ class BatchLayout:
     before this step and `q_lens[i]` new ones (rows sum(q_lens[:i]) .. of the step);
     `block_tables[i]` holds at least ceil((starts[i] + q_lens[i]) / block_size) block ids.
     `table_ids[i]` (optional) names table i for as long as it lives: a table only grows under
-    its id, so a backend may keep it on the device and upload only what it adds
-    (engine.attention.block_tables); a table that changes otherwise needs a new id."""
+    its id (or releases entries no query reads any more), so a backend may keep it on the
+    device and upload only what it adds (engine.attention.block_tables); a table that changes
+    otherwise needs a new id. `block_tables` are KV group 0's, `more_tables[g - 1]` group g's
+    (none: group 0's tables serve every group, as in a profiling step)."""
 
     block_tables: Sequence[Sequence[int]]
     starts: Sequence[int]
     q_lens: Sequence[int]
     table_ids: Sequence[int | None] | None = None
+    more_tables: tuple[Sequence[Sequence[int]], ...] = ()
+
+    def tables(self, group: int) -> Sequence[Sequence[int]]:
+        if group == 0 or not self.more_tables:
+            return self.block_tables
+        return self.more_tables[group - 1]
+
+    @classmethod
+    def of_groups(cls, tables: Sequence[Sequence[Sequence[int]]], starts, q_lens,
+                  table_ids=None) -> "BatchLayout":
+        """From each sequence's tables per group (KVCacheManager.group_tables)."""
+        groups = len(tables[0]) if tables else 1
+        return cls([t[0] for t in tables], starts, q_lens, table_ids,
+                   tuple([t[g] for t in tables] for g in range(1, groups)))
 
     @property
     def num_tokens(self) -> int:
@@ -65,12 +84,13 @@ class AttentionBackend(abc.ABC):
     cuda_graphs = False          # whether build()'s metadata can be captured and replayed
 
     def __init__(self, model: ModelConfig, block_size: int, dtype: torch.dtype,
-                 device: torch.device, sizes: BufferSizes) -> None:
+                 device: torch.device, sizes: BufferSizes, num_groups: int = 1) -> None:
         self.model = model
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
         self.sizes = sizes
+        self.num_groups = num_groups        # KV groups: a part of the metadata each
 
     def regions(self, sizes: BufferSizes) -> list[tuple[str, int, torch.dtype]]:
         """StepBuffers regions this backend stages its metadata in, for buffers of `sizes`
@@ -91,9 +111,10 @@ class AttentionBackend(abc.ABC):
         replays)."""
 
     @abc.abstractmethod
-    def build(self, batch: BatchLayout, buffers, pad_to: int | None = None):
-        """This step's metadata. With `pad_to` (CUDA graphs: decode-only batches), the batch is
-        padded with empty sequences (one row each, no context, KV not stored) up to `pad_to`."""
+    def build(self, batch: BatchLayout, buffers, pad_to: int | None = None) -> tuple:
+        """This step's metadata: a part per KV group. With `pad_to` (CUDA graphs: decode-only
+        batches), the batch is padded with empty sequences (one row each, no context, KV not
+        stored) up to `pad_to`."""
 
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -127,8 +148,8 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
 
 
 def create_backend(name: str, model: ModelConfig, block_size: int, dtype: torch.dtype,
-                   device: torch.device, sizes: BufferSizes, cpu_attention: str = "auto"
-                   ) -> AttentionBackend:
+                   device: torch.device, sizes: BufferSizes, cpu_attention: str = "auto",
+                   num_groups: int = 1) -> AttentionBackend:
     """The backend `name` ("auto", "torch", "triton"); its module is imported only now (the
     triton one imports triton). `cpu_attention` is the torch backend's path on CPUs
     (torch_backend.CPU_ATTENTION); another backend takes only "auto"."""
@@ -138,8 +159,9 @@ def create_backend(name: str, model: ModelConfig, block_size: int, dtype: torch.
     module, cls = _BACKENDS[resolved].split(":")
     backend_cls = getattr(importlib.import_module(module), cls)
     if resolved == "torch":
-        return backend_cls(model, block_size, dtype, device, sizes, cpu_attention=cpu_attention)
+        return backend_cls(model, block_size, dtype, device, sizes, num_groups,
+                           cpu_attention=cpu_attention)
     if cpu_attention != "auto":
         raise ValueError(f"--cpu-attention {cpu_attention} is a path of the torch attention "
                          f"backend on CPUs, not of {resolved!r}")
-    return backend_cls(model, block_size, dtype, device, sizes)
+    return backend_cls(model, block_size, dtype, device, sizes, num_groups)

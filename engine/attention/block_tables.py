@@ -10,6 +10,10 @@ a prefill, a whole table for a sequence new to the device. On the device the pai
 scattered into the resident table and the step's rows gathered into the fixed-address table the
 kernels (and CUDA graphs) read.
 
+With KV groups (engine.kv_groups) a row holds each group's table side by side: group g's
+entries at columns g * width .. (g + 1) * width - 1. A sliding group's table releases entries
+(NULL_BLOCK) that no query reads any more; the device keeps what it had there, unread.
+
 Rows go least recently used first when a new table needs one; the table grows when one step
 has more sequences than it has rows. A sequence without an id (None) gets a row for that step
 only and is written whole, which is what every step cost before.
@@ -26,12 +30,14 @@ import torch
 
 
 class DeviceBlockTables:
-    def __init__(self, rows: int, width: int, device: torch.device) -> None:
-        self.width = width
+    def __init__(self, rows: int, width: int, device: torch.device, groups: int = 1) -> None:
+        self.width = width                   # per group
+        self.groups = groups
         self.device = device
-        self.host = np.zeros((rows, width), dtype=np.int32)     # what each device row holds
-        self.dev = torch.zeros(rows, width, dtype=torch.int32, device=device)
-        self._known = np.zeros(rows, dtype=np.int64)             # entries valid per row
+        # what each device row holds
+        self.host = np.zeros((rows, groups * width), dtype=np.int32)
+        self.dev = torch.zeros(rows, groups * width, dtype=torch.int32, device=device)
+        self._known = np.zeros((rows, groups), dtype=np.int64)   # entries valid per row, group
         self._row_of: OrderedDict[object, int] = OrderedDict()   # table id -> row, LRU first
         self._free = list(range(rows - 1, -1, -1))
         self._anonymous = itertools.count()
@@ -42,13 +48,14 @@ class DeviceBlockTables:
         return self.host.shape[0]
 
     def _grow(self, rows: int) -> None:
-        old = self.rows
-        host = np.zeros((rows, self.width), dtype=np.int32)
+        old, cols = self.rows, self.host.shape[1]
+        host = np.zeros((rows, cols), dtype=np.int32)
         host[:old] = self.host
-        dev = torch.zeros(rows, self.width, dtype=torch.int32, device=self.device)
+        dev = torch.zeros(rows, cols, dtype=torch.int32, device=self.device)
         dev[:old] = self.dev
         self.host, self.dev = host, dev
-        self._known = np.concatenate([self._known, np.zeros(rows - old, dtype=np.int64)])
+        self._known = np.concatenate([self._known,
+                                      np.zeros((rows - old, self.groups), dtype=np.int64)])
         self._free = list(range(rows - 1, old - 1, -1)) + self._free
 
     def _row(self, key: object, this_step: set[int]) -> int:
@@ -70,10 +77,12 @@ class DeviceBlockTables:
         return row
 
     def stage(self, tables: Sequence[Sequence[int]], used: np.ndarray, have: np.ndarray,
-              table_ids: Sequence[object] | None, pairs: np.ndarray) -> tuple[np.ndarray, int]:
+              table_ids: Sequence[object] | None, pairs: np.ndarray,
+              more: Sequence[Sequence[Sequence[int]]] = ()) -> tuple[np.ndarray, int]:
         """Rows of the step's sequences [n] and the number of (flat index, block id) pairs
         written into `pairs` [capacity, 2] int32: the first used[i] entries of each table
-        (have[i] long) that its row does not hold yet."""
+        (have[i] long) that its row does not hold yet; `tables` are group 0's, `more` the
+        other groups' (as long)."""
         n = len(used)
         rows = np.empty(n, dtype=np.int64)
         this_step: set[int] = set()
@@ -87,24 +96,31 @@ class DeviceBlockTables:
             row = self._row(key, this_step)
             this_step.add(row)
             rows[i] = row
-        known = self._known[rows]
-        known = np.where(have < known, 0, known)        # never shrinks; rewritten if it did
-        new = np.maximum(used - known, 0)
-        count = int(new.sum())
-        if count > len(pairs):
-            raise ValueError(f"{count} block-table entries exceed the {len(pairs)} staged")
-        if count:
-            lo = known.tolist()
-            values = np.fromiter(itertools.chain.from_iterable(
-                tables[i][lo[i]:lo[i] + k] for i, k in enumerate(new.tolist()) if k),
-                dtype=np.int64, count=count)
-            cols = np.arange(count) - np.repeat(np.cumsum(new) - new, new) + np.repeat(known, new)
-            flat_rows = np.repeat(rows, new)
-            self.host[flat_rows, cols] = values
-            pairs[:count, 0] = flat_rows * self.width + cols
-            pairs[:count, 1] = values
-            self.entries_staged += count
-        self._known[rows] = np.maximum(known, used)
+        total = 0
+        stride = self.host.shape[1]
+        for g, group in enumerate([tables, *more]):
+            known = self._known[rows, g]
+            known = np.where(have < known, 0, known)    # never shrinks; rewritten if it did
+            new = np.maximum(used - known, 0)
+            count = int(new.sum())
+            if total + count > len(pairs):
+                raise ValueError(f"{total + count} block-table entries exceed the "
+                                 f"{len(pairs)} staged")
+            if count:
+                lo = known.tolist()
+                values = np.fromiter(itertools.chain.from_iterable(
+                    group[i][lo[i]:lo[i] + k] for i, k in enumerate(new.tolist()) if k),
+                    dtype=np.int64, count=count)
+                cols = (np.arange(count) - np.repeat(np.cumsum(new) - new, new)
+                        + np.repeat(known, new) + g * self.width)
+                flat_rows = np.repeat(rows, new)
+                self.host[flat_rows, cols] = values
+                pairs[total:total + count, 0] = flat_rows * stride + cols
+                pairs[total:total + count, 1] = values
+                total += count
+            self._known[rows, g] = np.maximum(known, used)
+        count = total
+        self.entries_staged += count
         for key in anonymous:                            # first to go
             self._row_of.move_to_end(key, last=False)
         return rows, count

@@ -263,21 +263,27 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: to
     qsl = meta.query_start_loc
     for i in meta.one_by_one:
         start, end, seq_len = qsl[i], qsl[i + 1], meta.seq_lens[i]
-        if end - start == seq_len:       # nothing cached before: attend over the step's own rows
-            ks, vs = k[start:end], v[start:end]
+        n = end - start
+        if n == seq_len:                 # nothing cached before: attend over the step's own rows
+            ks, vs, first = k[start:end], v[start:end], 0
+        elif spec.window:                # a sliding layer reads from its first query's window on
+            bs = cache.shape[2]
+            lo = max(seq_len - n - spec.window + 1, 0) // bs
+            ks, vs = gather_kv(cache, meta.block_tables[i][lo:], seq_len - lo * bs)
+            first = lo * bs
         else:
-            ks, vs = gather_kv(cache, meta.block_tables[i], seq_len)
+            ks, vs, first = *gather_kv(cache, meta.block_tables[i], seq_len), 0
         mask = meta.masks[i]
         if spec.window:
-            mask = window_mask(seq_len - (end - start), end - start, spec.window, q.device)
+            mask = window_mask(seq_len - n, n, spec.window, q.device, first)
         out[start:end] = _attend(q[start:end], ks, vs, scale, mask, spec, sinks)
     return out
 
 
-def window_mask(start: int, n: int, window: int, device) -> torch.Tensor:
-    """[n, start + n] bool: query j (at position start + j) sees positions p with
-    start + j - window < p <= start + j."""
-    pos = torch.arange(start + n, device=device)[None, :]
+def window_mask(start: int, n: int, window: int, device, first: int = 0) -> torch.Tensor:
+    """[n, start + n - first] bool: query j (at position start + j) sees positions p with
+    start + j - window < p <= start + j, of the positions from `first` on."""
+    pos = torch.arange(first, start + n, device=device)[None, :]
     at = torch.arange(start, start + n, device=device)[:, None]
     return (pos <= at) & (pos > at - window)
 
@@ -388,12 +394,13 @@ class TorchBackend(AttentionBackend):
             self.kernels = "cpu"
 
     def build(self, batch: BatchLayout, buffers=None, pad_to: int | None = None
-              ) -> AttentionMetadata:
+              ) -> tuple[AttentionMetadata, ...]:
         if pad_to is not None:
             raise ValueError("the torch attention backend does not pad batches (no CUDA graphs)")
-        return AttentionMetadata.build(batch.block_tables, batch.starts, batch.q_lens,
-                                       self.block_size, self.device, self.group_tokens,
-                                       self.kernel)
+        return tuple(AttentionMetadata.build(batch.tables(g), batch.starts, batch.q_lens,
+                                             self.block_size, self.device, self.group_tokens,
+                                             self.kernel)
+                     for g in range(self.num_groups))
 
     def forward(self, q, k, v, rope, cache, meta: AttentionMetadata, scale: float,
                 spec: LayerAttention = FULL, sinks: torch.Tensor | None = None):

@@ -15,6 +15,10 @@ resident tables and the step's rows gathered into step_tables [max_seqs, max_blo
 fixed-address table the kernels read. A padded sequence (CUDA-graph buckets) has one row,
 slot -1 (nothing stored), seq_len 0 (zero output).
 
+KV groups (engine.kv_groups): the resident tables hold each group's table side by side in a
+sequence's row, and each group has its own slot mapping; the metadata is a TritonMetadata per
+group, sharing everything else (a group's block_tables is its columns of step_tables).
+
 A layer's sliding window, soft-capping and sinks (engine.config.LayerAttention) go to the
 kernel as launch arguments.
 
@@ -52,6 +56,7 @@ class TritonMetadata:
     seq_rows: torch.Tensor           # [n] int32: each real sequence's resident row
     table_pairs: torch.Tensor        # [capacity, 2] int32: (flat index, block id) added
     num_pairs: int
+    block_tables_all: torch.Tensor   # [max_seqs, groups * max_blocks]: every group's columns
 
 
 class TritonBackend(AttentionBackend):
@@ -68,32 +73,40 @@ class TritonBackend(AttentionBackend):
         self.split_tokens = s.max_seqs                  # split-KV: decode-only steps
         self.partial_out, self.partial_lse = ta.split_scratch(
             self.split_tokens, m.num_heads, m.head_dim, MAX_SPLITS, self.device)
-        self.tables = DeviceBlockTables(2 * s.max_seqs, s.max_blocks, self.device)
+        g = self.num_groups
+        self.tables = DeviceBlockTables(2 * s.max_seqs, s.max_blocks, self.device, g)
         # what the kernels read: never reallocated (CUDA graphs hold its address)
-        self.step_tables = torch.zeros(s.max_seqs, s.max_blocks, dtype=torch.int32,
+        self.step_tables = torch.zeros(s.max_seqs, g * s.max_blocks, dtype=torch.int32,
                                        device=self.device)
+
+    def _slot_region(self, g: int) -> str:
+        return "slot_mapping" if g == 0 else f"slot_mapping_{g}"
 
     def regions(self, sizes):
         i32 = torch.int32
         tiles = sizes.max_tokens + sizes.max_seqs       # every sequence's tiles, block_q >= 1
-        return [("slot_mapping", sizes.max_tokens, i32), ("query_start_loc", sizes.max_seqs + 1, i32),
+        slots = [(self._slot_region(g), sizes.max_tokens, i32) for g in range(self.num_groups)]
+        return slots + [("query_start_loc", sizes.max_seqs + 1, i32),
                 ("seq_lens", sizes.max_seqs, i32), ("tile_seq", tiles, i32),
                 ("tile_start", tiles, i32), ("seq_rows", sizes.max_seqs, i32)]
 
     def tail_region(self, sizes):
-        # every sequence new to the device, its whole table: (flat index, block id) pairs
-        return ("table_pairs", 2 * sizes.max_seqs * sizes.max_blocks, torch.int32)
+        # every sequence new to the device, its whole tables: (flat index, block id) pairs
+        return ("table_pairs", 2 * sizes.max_seqs * sizes.max_blocks * self.num_groups,
+                torch.int32)
 
-    def staged(self, meta: TritonMetadata) -> int:
-        return 2 * meta.num_pairs
+    def staged(self, meta: tuple[TritonMetadata, ...]) -> int:
+        return 2 * meta[0].num_pairs
 
-    def prepare(self, meta: TritonMetadata) -> None:
-        self.tables.apply(meta.table_pairs, meta.num_pairs, meta.seq_rows, meta.block_tables)
+    def prepare(self, meta: tuple[TritonMetadata, ...]) -> None:
+        m = meta[0]
+        self.tables.apply(m.table_pairs, m.num_pairs, m.seq_rows, m.block_tables_all)
 
     def splits_for(self, num_seqs: int) -> int:
         return ta.num_splits_for(num_seqs, self.model.num_kv_heads, self.num_sms, MAX_SPLITS)
 
-    def build(self, batch: BatchLayout, buffers, pad_to: int | None = None) -> TritonMetadata:
+    def build(self, batch: BatchLayout, buffers, pad_to: int | None = None
+              ) -> tuple[TritonMetadata, ...]:
         bs, width = self.block_size, self.sizes.max_blocks
         q_lens = list(batch.q_lens)
         n = len(q_lens)
@@ -113,7 +126,8 @@ class TritonBackend(AttentionBackend):
         h["query_start_loc"][:b + 1] = qsl
         num_pairs = self._stage_sequences(batch, n, qsl, h)
         h["seq_lens"][n:b] = 0
-        h["slot_mapping"][qsl[n]:rows] = -1
+        for g in range(self.num_groups):
+            h[self._slot_region(g)][qsl[n]:rows] = -1
         block_m, block_q = ta.attention_tile_shape(self.qpk, max(q_lens) if q_lens else 1)
         decode = all(q == 1 for q in q_lens)
         if decode:                      # one tile per sequence, from its first (only) query
@@ -129,11 +143,14 @@ class TritonBackend(AttentionBackend):
         d = buffers.dev
         tables = self.step_tables
         if b > tables.shape[0]:          # a one-off step larger than the buffers: eager only
-            tables = torch.zeros(b, width, dtype=torch.int32, device=self.device)
-        return TritonMetadata(d["slot_mapping"][:rows], d["query_start_loc"], d["seq_lens"],
-                              tables, d["tile_seq"], d["tile_start"], num_tiles, block_m,
-                              splits, d["seq_rows"][:n], d["table_pairs"].view(-1, 2),
-                              num_pairs)
+            tables = torch.zeros(b, self.num_groups * width, dtype=torch.int32,
+                                 device=self.device)
+        return tuple(TritonMetadata(d[self._slot_region(g)][:rows], d["query_start_loc"],
+                                    d["seq_lens"], tables[:, g * width:(g + 1) * width],
+                                    d["tile_seq"], d["tile_start"], num_tiles, block_m, splits,
+                                    d["seq_rows"][:n], d["table_pairs"].view(-1, 2), num_pairs,
+                                    tables)
+                     for g in range(self.num_groups))
 
     def _stage_sequences(self, batch: BatchLayout, n: int, qsl: np.ndarray, h) -> int:
         """Block-table entries new to the device, context lengths and slot mapping of the n
@@ -154,14 +171,16 @@ class TritonBackend(AttentionBackend):
                              f"its table has {int(have[i])}")
         if int(used.max()) > width:
             raise ValueError(f"a sequence needs {int(used.max())} blocks; tables hold {width}")
+        more = [batch.tables(g)[:n] for g in range(1, self.num_groups)]
         seq_rows, count = self.tables.stage(batch.block_tables[:n], used, have, batch.table_ids,
-                                            h["table_pairs"].reshape(-1, 2))
+                                            h["table_pairs"].reshape(-1, 2), more)
         h["seq_rows"][:n] = seq_rows
         h["seq_lens"][:n] = ends
         seq_row = np.repeat(seq_rows, q)
         pos = np.arange(int(qsl[n])) - np.repeat(qsl[:n], q) + np.repeat(starts, q)
-        block = self.tables.host[seq_row, pos // bs].astype(np.int64)
-        h["slot_mapping"][:int(qsl[n])] = block * bs + pos % bs
+        for g in range(self.num_groups):
+            block = self.tables.host[seq_row, g * width + pos // bs].astype(np.int64)
+            h[self._slot_region(g)][:int(qsl[n])] = block * bs + pos % bs
         return count
 
     def forward(self, q, k, v, rope, cache, meta: TritonMetadata, scale: float,

@@ -194,6 +194,9 @@ class DecoderLM(nn.Module):
         distinct = sorted({k for k in own if k != (0.0, None)}, key=repr)
         self.rotaries = nn.ModuleList(RotaryEmbedding(cfg, *k) for k in distinct)
         self._rope_of = [0 if k == (0.0, None) else 1 + distinct.index(k) for k in own]
+        # (KV group, pool plane) of each layer (engine.kv_groups; set by the runner): None,
+        # layer i in plane i of group 0
+        self.kv_placement: list[tuple[int, int]] | None = None
         self.lm_head = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, False,
                                             opts.head_linear, opts.tp)
 
@@ -243,8 +246,10 @@ class DecoderLM(nn.Module):
         ropes = [self.rotary(positions, x.dtype)]                        # cos, sin [T, 1, D]
         ropes += [r(positions, x.dtype) for r in self.rotaries]
         residual = None
+        place = self.kv_placement
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, ropes[self._rope_of[i]], kv[i], meta)
+            g, slot = place[i] if place else (0, i)
+            x, residual = layer(x, residual, ropes[self._rope_of[i]], kv[slot], meta[g])
         x, _ = self.model.norm(x, residual)
         return x
 

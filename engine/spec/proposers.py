@@ -133,7 +133,8 @@ class DraftProposer(Proposer):
                                           else "none"), model)
         self.model = self.runner.model
         self.block_size = cfg.block_size
-        self.kv_manager = KVCacheManager(BlockPool(num_blocks), cfg.block_size, None)
+        self.kv_manager = KVCacheManager(BlockPool(num_blocks), cfg.block_size, None,
+                                         self.runner.groups)
         self.computed: dict[str, int] = {}        # tokens whose draft KV is valid
 
     def _forward(self, ids: list[int], tables: list[list[int]], starts: list[int],
@@ -143,7 +144,8 @@ class DraftProposer(Proposer):
         for n in q_lens:
             end += n
             last.append(end - 1)
-        inputs = StepInputs(ids, BatchLayout(tables, starts, q_lens, table_ids), last, [])
+        inputs = StepInputs(ids, BatchLayout.of_groups(tables, starts, q_lens, table_ids), last,
+                            [])
         return self.runner.execute(inputs).logits
 
     @staticmethod
@@ -178,7 +180,7 @@ class DraftProposer(Proposer):
                 continue                                  # draft pool full: no proposal
             live.append(i)
             ids.extend(req.all_token_ids[start:n])
-            tables.append(self.kv_manager.block_table(rid))
+            tables.append(self.kv_manager.group_tables(rid))
             table_ids.append(self.kv_manager.table_id(rid))
             starts.append(start)
             q_lens.append(n - start)
@@ -203,7 +205,7 @@ class DraftProposer(Proposer):
                 req = reqs[i]
                 p = req.num_tokens + j - 1                   # position of the fed draft token
                 ids.append(props[i].tokens[-1])
-                tables.append(self.kv_manager.block_table(req.request_id))
+                tables.append(self.kv_manager.group_tables(req.request_id))
                 table_ids.append(self.kv_manager.table_id(req.request_id))
                 starts.append(p)
             logits = self._forward(ids, tables, starts, [1] * len(step), table_ids)
