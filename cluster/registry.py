@@ -127,6 +127,7 @@ class WorkerInfo:
     remaining_decode_tokens: int = 0
     prompt_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
+    loras: str = ""                   # the LoRA adapters it serves, comma-separated (heartbeat)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -23,8 +23,8 @@ from cluster.metrics import WorkerMetrics
 from cluster.tracing import Tracing
 from serving.params import request_from_pb
 from serving.tracing import decode_phase, decode_timing, start_timeline, traced_call
-from serving.worker import (ADMISSION_ERRORS, Grammars, WorkerIdentity, output_error_code, refuse,
-                            serve, worker_stats)
+from serving.worker import (ADMISSION_ERRORS, Grammars, WorkerIdentity, lora_call,
+                            output_error_code, refuse, serve, worker_stats)
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
@@ -207,6 +207,9 @@ class DecodeServicer(pb_grpc.DecodeWorkerServicer):
         if not found:
             self._ended.pop(rid, None)
         return pb.AbortReply(found=found)
+
+    async def LoRA(self, request: pb.LoRARequest, context):
+        return await lora_call(self.aengine, request, context)
 
     async def Stats(self, request, context):
         return worker_stats(self.aengine)

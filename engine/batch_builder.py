@@ -57,6 +57,7 @@ class BatchBuilder:
                  table_id: Callable[[str], int | None] | None = None) -> None:
         self.block_table = block_table
         self.table_id = table_id
+        self.lora_slots: dict[str, int] = {}      # the step's adapters' slots (by digest)
         self.masks = GrammarMasks(vocab_size)
 
     def inputs(self, sched: SchedulerOutput, proposals: dict) -> StepInputs:
@@ -64,6 +65,8 @@ class BatchBuilder:
         sequence's layout, and the rows [S] whose logits are sampled (the last position, and
         each proposal's) with how each is sampled."""
         ids, tables, starts, q_lens, sample_rows, rows = [], [], [], [], [], []
+        rope_long: list[bool] = []
+        lora_slots: list[int] = []
         table_ids: list[int | None] | None = [] if self.table_id is not None else None
         grammar_rows: list[tuple[Request, int, int]] = []    # (request, first row, proposals)
         prompt = PromptRows()
@@ -78,6 +81,8 @@ class BatchBuilder:
                 table_ids.append(self.table_id(req.request_id))
             starts.append(start)
             q_lens.append(s.num_new_tokens)
+            rope_long.append(req.long_rope)
+            lora_slots.append(-1 if req.lora is None else self.lora_slots[req.lora.digest])
             if s.sample:
                 first = len(ids) - 1 - s.num_spec
                 sample_rows.extend(range(first, len(ids)))
@@ -93,7 +98,8 @@ class BatchBuilder:
                 for j in range(first, first + 1 + k):      # min_tokens yields to the end
                     if req.structured_state.allows_only_end(bitmask, j):
                         rows[j] = replace(rows[j], grammar_ends=True)
-        return StepInputs(ids, BatchLayout.of_groups(tables, starts, q_lens, table_ids),
+        return StepInputs(ids, BatchLayout.of_groups(tables, starts, q_lens, table_ids,
+                                                     rope_long, lora_slots),
                           sample_rows,
                           rows, bitmask,
                           prompt.rows, prompt.targets, prompt.top, prompt.owners)

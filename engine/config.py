@@ -162,6 +162,15 @@ class ModelConfig:
         return self.layer_attention[layer] if self.layer_attention else FULL
 
     @property
+    def long_rope_after(self) -> int:
+        """LongRoPE: the original context (original_max_position_embeddings) past which its
+        long factors apply (engine.layers.rotary); 0: not LongRoPE."""
+        scaling = dict(self.rope_scaling)
+        if scaling.get("rope_type") != "longrope":
+            return 0
+        return int(scaling["original_max_position_embeddings"])
+
+    @property
     def rope_dim(self) -> int:
         """Dims of each head that rotary embeddings rotate."""
         return self.rotary_dim or self.head_dim
@@ -223,20 +232,23 @@ class ModelConfig:
         return cls.from_hf(hf, gen)
 
 
-ROPE_TYPES = ("default", "llama3", "linear", "yarn")
+ROPE_TYPES = ("default", "llama3", "linear", "yarn", "longrope")
 
 
 def rope_scaling_of(rope: dict, max_position_embeddings: int = 0) -> tuple:
     """HF rope parameters (without rope_theta) -> ModelConfig.rope_scaling: () for the default
     rotary, else sorted (key, value) pairs; a type not implemented is refused by name. Scaled
     types without original_max_position_embeddings take max_position_embeddings (as HF does)."""
-    rope = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    rope = {k: tuple(v) if isinstance(v, list) else v for k, v in rope.items()
+            if k not in ("rope_theta", "partial_rotary_factor")}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "su":                   # LongRoPE's first name (early Phi-3 configs)
+        rope_type = "longrope"
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"rope type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
     if rope_type == "default":
         return ()
-    if rope_type in ("llama3", "yarn") and max_position_embeddings:
+    if rope_type in ("llama3", "yarn", "longrope") and max_position_embeddings:
         rope.setdefault("original_max_position_embeddings", max_position_embeddings)
     return tuple(sorted((k, v) for k, v in dict(rope, rope_type=rope_type).items()
                         if k != "type"))
@@ -325,8 +337,13 @@ class EngineConfig:
     kv_offload_dir: str = ""             # local-disk tier's folder (with kv_offload_disk_gib)
     kv_offload_disk_gib: float = 0.0
     kv_offload_min_seen: int = 1         # a block is kept in a tier once seen this many times
+    enable_lora: bool = False            # serve LoRA adapters (engine.lora)
+    max_loras: int = 4                   # adapters one step may use (device slots)
+    max_lora_rank: int = 16              # the highest adapter rank the slots hold
 
     def __post_init__(self) -> None:
+        if self.enable_lora and (self.max_loras < 1 or self.max_lora_rank < 1):
+            raise ValueError("max_loras and max_lora_rank must be >= 1")
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {self.role!r}")
         if self.dtype not in DTYPES:

@@ -97,7 +97,8 @@ class Engine:
                              f"do not serve models with sliding-window KV groups yet "
                              f"({m.family}: {groups.describe()})")
         self.offload = self._offload() if cfg.offload_enabled else None
-        self.scheduler = Scheduler(cfg, self.kv_manager, m.eos_token_ids, cfg.max_model_len)
+        self.scheduler = Scheduler(cfg, self.kv_manager, m.eos_token_ids, cfg.max_model_len,
+                                   long_rope_after=m.long_rope_after)
         self.stats = EngineStats()
         self.last_step: StepStats | None = None
         self.proposer, self.spec = self._speculation(draft_model)
@@ -214,14 +215,44 @@ class Engine:
                 raise ValueError(f"request {req.request_id}: token id {bad} in {what} is out of "
                                  f"the vocabulary [0, {vocab})")
 
+    # ------------------------------------------------------------------ LoRA adapters
+    def _lora(self):
+        if self.runner.lora is None:
+            raise ValueError("this worker serves no LoRA adapters (start it with --enable-lora)")
+        return self.runner.lora
+
+    def add_lora(self, name: str, path: str):
+        """Load a LoRA adapter (engine.lora.adapter.AdapterError: why it cannot be served)."""
+        return self._lora().add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        self._lora().remove(name)
+
+    def list_loras(self) -> list[str]:
+        return [] if self.runner.lora is None else self.runner.lora.names()
+
+    def _admit(self, req: Request) -> None:
+        """What admission fixes for a request's life: LongRoPE's factors (engine.layers.rotary)
+        and its LoRA adapter (engine.lora: the weights loaded now, whatever later loads under
+        the name), which its prefix cache keys follow."""
+        after = self.model_cfg.long_rope_after
+        req.long_rope = bool(after) and req.num_tokens > after
+        if req.lora_name and req.lora is None:
+            if self.runner.lora is None:
+                raise ValueError(f"LoRA adapter {req.lora_name!r} asked for; this worker "
+                                 "serves no adapters (--enable-lora)")
+            req.lora = self.runner.lora.get(req.lora_name)    # AdapterError: not loaded
+
     def add_request(self, req: Request) -> None:
         self.check_fits(req)
+        self._admit(req)
         self.scheduler.add(req)
         if req.timeline is not None:
             self._timed[req.request_id] = req
 
     def reserve_remote(self, req: Request) -> list[int] | None:
         self.check_fits(req)
+        self._admit(req)
         blocks = self.scheduler.reserve_remote(req)
         if req.timeline is not None and blocks is not None:
             req.timeline.reserved_ns = time.time_ns()
@@ -334,6 +365,9 @@ class Engine:
                      for s in sched.scheduled)          # before update() advances them
         timed = self._timed_in(sched) if self._timed else None
         t_fwd = time.perf_counter()
+        if self.runner.lora is not None:       # the step's adapters into the slots
+            self.batch.lora_slots = self.runner.lora.activate(
+                [s.request.lora for s in sched.scheduled if s.request.lora is not None])
         inputs = self.batch.inputs(sched, self._proposals)
         result = self.runner.execute(inputs)
         if inputs.prompt_owners:

@@ -187,8 +187,9 @@ class KVCacheManager:
         if sum(real for _, real in counts) + idle > self.pool.num_free:
             if fresh:
                 del self._tables[request_id], self._table_ids[request_id]
-            elif prefix:
-                raise RuntimeError("unreachable: a prefix for an existing table")
+            elif prefix:                     # an empty table stays empty
+                t.blocks = [[] for _ in range(self.num_groups)]
+                t.released = [0] * self.num_groups
             return None
         self.pool.take(held)
         new: list[int] = []
@@ -282,7 +283,12 @@ class KVCacheManager:
     def block_hashes(self, req: Request) -> list[int]:
         """The request's full-block hashes, extended to its current tokens."""
         assert self.hasher is not None
-        return self.hasher.extend(req.block_hashes, req.all_token_ids, salt_bytes(req.cache_salt))
+        salt = salt_bytes(req.cache_salt)
+        if req.long_rope:           # KV of LongRoPE's long factors: not the short ones' blocks
+            salt += b"\x00long-rope"
+        if req.lora is not None:    # an adapter's KV is its own (its name and weights' digest)
+            salt += b"\x00" + req.lora.key
+        return self.hasher.extend(req.block_hashes, req.all_token_ids, salt)
 
     def cached_prefix(self, req: Request, max_tokens: int) -> "_Tables | list | None":
         """Tables of the longest cached prefix of the request, covering at most max_tokens

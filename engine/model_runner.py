@@ -38,6 +38,7 @@ from engine.layers import quant_formats
 from engine.layers.linear import linear_method_for
 from engine.layers.moe import graph_safe as moe_graph_safe
 from engine.layers.quant_formats import QuantScheme
+from engine.layers.rotary import LONG_ROPE
 from engine.parallel import (SINGLE, RankFailure, ShardedKV, TPGroup, check_split, head_range,
                              local_config)
 from engine.request import SamplingParams, TokenLogprob
@@ -126,6 +127,14 @@ class ModelRunner:
                                     round_to=cfg.weight_dtype, scheme=self.quant_scheme)
         if hasattr(self.model, "kv_placement"):
             self.model.kv_placement = self.groups.placement()
+        self.lora = None
+        if cfg.enable_lora:
+            if tp.size > 1:
+                raise ValueError("LoRA adapters (--enable-lora) with --tensor-parallel-size > 1 "
+                                 "are not supported yet")
+            from engine.lora.manager import LoRAManager
+            self.lora = LoRAManager(self.model, model_cfg, cfg.max_loras, cfg.max_lora_rank,
+                                    self.device, self.dtype)
         self.sampler = Sampler(m.eos_token_ids)
         self.buffers = self._new_buffers(self.sizes)
         self.num_blocks = cfg.num_blocks or self._blocks_from_memory()
@@ -134,7 +143,7 @@ class ModelRunner:
         self.pool = self.kv if tp.size == 1 else ShardedKV(self, model_cfg.num_kv_heads)
         self.graphs = None
         if (self.device.type == "cuda" and self.backend.cuda_graphs and not cfg.enforce_eager
-                and tp.size == 1 and moe_graph_safe(self.model)):
+                and tp.size == 1 and moe_graph_safe(self.model) and self.lora is None):
             self.graphs = DecodeGraphs(self, self.max_graph_batch)
             self.graphs.capture()
         self._plan = None
@@ -177,8 +186,10 @@ class ModelRunner:
         h["input_ids"][:t] = token_ids
         q = np.asarray(batch.q_lens, dtype=np.int64)
         if t:
-            first = np.repeat(np.asarray(batch.starts, dtype=np.int64) - (np.cumsum(q) - q), q)
-            h["positions"][:t] = np.arange(t) + first
+            first = np.asarray(batch.starts, dtype=np.int64) - (np.cumsum(q) - q)
+            if batch.rope_long is not None:     # LongRoPE: long factors at every position
+                first = first + LONG_ROPE * np.asarray(batch.rope_long, dtype=np.int64)
+            h["positions"][:t] = np.arange(t) + np.repeat(first, q)
         h["input_ids"][t:rows] = 0
         h["positions"][t:rows] = 0
 
@@ -241,6 +252,8 @@ class ModelRunner:
             buf.host["sample_rows"][:s] = inp.sample_rows
         plan = self.sampler.stage(inp.sampling, buf.host, inp.bitmask)
         meta = self.backend.build(batch, buf, pad_to=bucket)
+        if self.lora is not None:
+            self.lora.set_batch(batch.lora_slots, batch.q_lens)
         self._upload(buf, meta)                         # the step's one H2D copy
         with torch.inference_mode():
             if bucket is not None:

@@ -203,6 +203,10 @@ class Request:
     num_blocks_streamed: int = 0          # prefill: leading blocks handed out for transfer
     kv_tokens: int = 0                    # prefill: tokens whose KV the transfer moves
     kv_cached_entries: int = 0            # decode: leading transfer entries cached here
+    lora_name: str = ""                   # the LoRA adapter asked for ("": the base model)
+    lora: object = None                   # that adapter (engine.lora.adapter), at admission
+    long_rope: bool = False               # LongRoPE: longer than the original context when
+    #                                       admitted (every position's long factors)
     spec_token_ids: list[int] = field(default_factory=list)  # proposals verified this step
     # n > 1: choice 0 is the request itself; choices 1.. are forked from it once its prompt is
     # computed (engine.scheduler), sharing the prompt's full blocks. `group` is the id of the

@@ -61,8 +61,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, cfg: EngineConfig, kv: KVCacheManager, eos_token_ids: tuple[int, ...],
-                 max_model_len: int, clock: Callable[[], float] = time.monotonic) -> None:
-        """`clock`: the KV connector's, for its load deadlines and leases."""
+                 max_model_len: int, clock: Callable[[], float] = time.monotonic,
+                 long_rope_after: int = 0) -> None:
+        """`clock`: the KV connector's, for its load deadlines and leases. `long_rope_after`:
+        a LongRoPE model's original context (engine.layers.rotary): a sequence longer than it
+        takes the long factors at every position, so one that grows past it is computed again
+        (HF's rule), and a step's proposals never carry it past it."""
+        self.long_rope_after = long_rope_after
         self.cfg = cfg
         self.kv = kv
         self.eos = frozenset(eos_token_ids)
@@ -133,8 +138,9 @@ class Scheduler:
         return out
 
     def _admit(self, req: Request) -> None:
-        """A request holding its blocks joins the batch, or the queue when it is full."""
-        if len(self.running) < self.cfg.max_num_seqs:
+        """A request holding its blocks joins the batch, or the queue when it is full (or its
+        LoRA adapter would be one too many)."""
+        if len(self.running) < self.cfg.max_num_seqs and self._lora_fits(req):
             req.status = Status.RUNNING
             self.running.append(req)
         else:
@@ -199,6 +205,7 @@ class Scheduler:
                         prompt_logprobs=None)          # the parent's are every choice's
             child = Request(f"{parent.request_id}#{i}", parent.prompt_token_ids, p,
                             cache_salt=parent.cache_salt, choice=i, group=parent.request_id)
+            child.long_rope, child.lora = parent.long_rope, parent.lora
             if parent.structured_state is not None:          # a fresh grammar state
                 child.structured_state = parent.structured_state.grammar.matcher()
             if self.kv.fork(parent.request_id, child.request_id, shared) is not None:
@@ -263,7 +270,12 @@ class Scheduler:
                 continue                          # preempted earlier in this step
             if req.num_tokens == req.num_computed_tokens:
                 continue                          # a beam waiting for its group's choice
+            if self._long_rope(req):             # grew past LongRoPE's original context
+                self.kv.free(req.request_id)
+                req.num_computed_tokens = 0
             spec = req.spec_token_ids
+            if spec and self.long_rope_after and not req.long_rope:   # not past it this step
+                del spec[max(self.long_rope_after - req.num_tokens, 0):]
             if spec:        # a decode with proposals: its token and what fits of them
                 del spec[max(budget - 1, 0):]
                 n = 1 + len(spec)
@@ -299,6 +311,11 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             req = self.waiting[i]
+            if not self._lora_fits(req):          # its adapter would be one too many
+                i += 1
+                continue
+            if req.num_computed_tokens == 0 and self._long_rope(req):
+                self.kv.free(req.request_id)      # (blocks a fork shared: its KV was short)
             hits = []
             if req.num_computed_tokens == 0 and not self.kv.block_table(req.request_id) \
                     and req.params.prompt_logprobs is None:   # those need every prompt row
@@ -365,6 +382,23 @@ class Scheduler:
         for req in idle:
             if req.arrival == newest:
                 self._preempt(req, front=False)
+        return True
+
+    def _lora_fits(self, req: Request) -> bool:
+        """Whether the running requests' adapters, with req's, are at most --max-loras."""
+        if req.lora is None:
+            return True
+        used = {r.lora.digest for r in self.running if r.lora is not None}
+        return req.lora.digest in used or len(used) < self.cfg.max_loras
+
+    def _long_rope(self, req: Request) -> bool:
+        """LongRoPE: whether the request just became longer than the original context (its
+        factors turn long: whatever it computed goes, its prefix-cache keys change)."""
+        if not self.long_rope_after or req.long_rope or req.num_tokens <= self.long_rope_after:
+            return False
+        req.long_rope = True
+        req.spec_token_ids.clear()
+        req.block_hashes, req.num_cached_blocks = [], 0
         return True
 
     def _preempt(self, req: Request, front: bool = True) -> None:
@@ -496,6 +530,7 @@ class Scheduler:
                         replace(parent.params, prompt_logprobs=None),
                         cache_salt=parent.cache_salt, group=root)
         child.beam_group = group
+        child.long_rope, child.lora = parent.long_rope, parent.lora
         bs = self.kv.block_size
         computed = parent.num_computed_tokens
         shared = computed // bs

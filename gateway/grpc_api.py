@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.sampling_limits import EARLY_STOPPING
+from gateway import lora_admin
 from gateway.choice_text import Delta
 from gateway.errors import GatewayError, bad_request
 from gateway.limits import InFlight
@@ -165,6 +166,27 @@ class GenerationServicer(pdserve_pb2_grpc.GenerationServicer):
         finally:
             trace.end()
 
+    async def LoRA(self, request, context):
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a LoRARequest: "
+                                f"{request.reason}")
+        router = self.pipeline.router
+        served = self.preparer.served.name
+        try:
+            if not request.name or request.name == served:
+                raise GatewayError(f"a LoRA adapter's name must be set and not the base model's "
+                                   f"(`{served}`)", param="name")
+            if request.path:
+                if request.name in router.lora_names():
+                    raise GatewayError(f"The LoRA adapter `{request.name}` is already loaded; "
+                                       "unload it first", param="name")
+                await lora_admin.load(router, request.name, request.path)
+            else:
+                await lora_admin.unload(router, request.name)
+        except GatewayError as err:
+            await abort(context, err)
+        return pdserve_pb2.LoRAReply(loaded=sorted(router.lora_names()))
+
     async def _prepare(self, request, context, trace: RequestTrace
                        ) -> tuple[Prompt, PreparedRequest]:
         try:
@@ -233,7 +255,10 @@ async def add_services(server: grpc.aio.Server, preparer: RequestPreparer,
     servicer = GenerationServicer(preparer, pipeline, admission)
     handlers = {"Generate": grpc.unary_stream_rpc_method_handler(
         servicer.Generate, request_deserializer=parse_lenient(pdserve_pb2.GenerateRequest),
-        response_serializer=pdserve_pb2.GenerateResponse.SerializeToString)}
+        response_serializer=pdserve_pb2.GenerateResponse.SerializeToString),
+        "LoRA": grpc.unary_unary_rpc_method_handler(
+            servicer.LoRA, request_deserializer=parse_lenient(pdserve_pb2.LoRARequest),
+            response_serializer=pdserve_pb2.LoRAReply.SerializeToString)}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME,
                                                                           handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)

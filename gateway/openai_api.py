@@ -37,7 +37,9 @@ from gateway.limits import InFlight, Slots
 from gateway.openai_format import OpenAIFormatter, ToolOutput
 from gateway.params import PreparedRequest, RequestPreparer
 from gateway.pipeline import Pipeline
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, validation_error
+from gateway import lora_admin
+from gateway.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRARequest,
+                              UnloadLoRARequest, validation_error)
 from gateway.router import Router
 from gateway.timing import RequestTrace
 from gateway.utility_api import add_utility_routes
@@ -384,9 +386,35 @@ def create_app(preparer: RequestPreparer, pipeline: Pipeline, router: Router,
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": served.name, "object": "model", "created": started, "owned_by": "pdserve",
-            "max_model_len": served.max_model_len}]}
+        base = {"id": served.name, "object": "model", "created": started, "owned_by": "pdserve",
+                "root": served.name, "parent": None, "max_model_len": served.max_model_len}
+        adapters = [dict(base, id=name, root=name, parent=served.name)
+                    for name in sorted(router.lora_names())]
+        return {"object": "list", "data": [base, *adapters]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRARequest):
+        if body.lora_name == served.name:
+            return _error_response(bad_request(f"`{served.name}` is the base model's name",
+                                               "lora_name"))
+        if body.lora_name in router.lora_names():
+            return _error_response(bad_request(f"The LoRA adapter `{body.lora_name}` is "
+                                               "already loaded; unload it first", "lora_name"))
+        try:
+            await lora_admin.load(router, body.lora_name, body.lora_path)
+        except GatewayError as exc:
+            return _error_response(exc)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.",
+                        media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRARequest):
+        try:
+            await lora_admin.unload(router, body.lora_name)
+        except GatewayError as exc:
+            return _error_response(exc)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
+                        media_type="text/plain")
 
     @app.get("/health")
     async def health():

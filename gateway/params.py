@@ -260,6 +260,7 @@ class PreparedRequest:
     params: GenerationParams
     cache_salt: str = ""       # requests share cached KV only with the same salt
     client_request_id: str = ""  # the client's own id, if it gave one: metadata only
+    lora_name: str = ""        # the LoRA adapter the request's `model` named ("": the base)
 
     @property
     def public_id(self) -> str:
@@ -363,12 +364,19 @@ class RequestPreparer:
     def __init__(self, tokenizer: Tokenizer, served: ServedModel) -> None:
         self.tokenizer = tokenizer
         self.served = served
+        self.adapters = lambda: set()    # the LoRA adapters workers serve (the router's)
 
-    def check_model(self, model: str | None) -> None:
-        if model and model != self.served.name:
-            raise GatewayError(f"The model `{model}` does not exist. This server serves "
-                               f"`{self.served.name}`.", status=404, param="model",
-                               code="model_not_found")
+    def check_model(self, model: str | None) -> str:
+        """The LoRA adapter `model` names ("" for the base model); 404 for another name."""
+        if not model or model == self.served.name:
+            return ""
+        if model in self.adapters():
+            return model
+        raise GatewayError(f"The model `{model}` does not exist. This server serves "
+                           f"`{self.served.name}`" + (f" and its LoRA adapters "
+                                                      f"{sorted(self.adapters())}"
+                                                      if self.adapters() else "") + ".",
+                           status=404, param="model", code="model_not_found")
 
     def prompt_ids(self, prompt: Prompt) -> tuple[int, ...]:
         if prompt.messages is not None:
@@ -466,7 +474,7 @@ class RequestPreparer:
         length less one), the last ones (`truncation_side` "left", the default) or the first
         ("right"); chat prompts are cut after the template. `truncation_side` without
         `truncate_prompt_tokens` is refused (it would change nothing)."""
-        self.check_model(model)
+        lora = self.check_model(model)
         if len(client_request_id) > MAX_REQUEST_ID:
             raise bad_request(f"request_id must be at most {MAX_REQUEST_ID} characters",
                               "request_id")
@@ -484,7 +492,9 @@ class RequestPreparer:
         if len(salt) > MAX_CACHE_SALT:
             raise bad_request(f"cache_salt must be at most {MAX_CACHE_SALT} characters, got "
                               f"{len(salt)}", "cache_salt")
-        return PreparedRequest(request_id=request_id or uuid.uuid4().hex, model=self.served.name,
+        return PreparedRequest(request_id=request_id or uuid.uuid4().hex,
+                               model=lora or self.served.name,
                                kind=prompt.kind, prompt_token_ids=ids,
                                params=replace(params, max_tokens=max_tokens, seed=seed),
-                               cache_salt=salt, client_request_id=client_request_id)
+                               cache_salt=salt, client_request_id=client_request_id,
+                               lora_name=lora)

@@ -272,7 +272,8 @@ class Pipeline:
         resume = choices.resume_token_ids()
         tokens = prepared.prompt_token_ids + resume
         with trace.phase("route") as span:
-            route = await self.router.route(tokens, prepared.cache_salt, frozenset(tried))
+            route = await self.router.route(tokens, prepared.cache_salt, frozenset(tried),
+                                            prepared.lora_name)
             if span:
                 span.set_many(_route_attributes(route))
         prefill_w, decode_w = route.prefill, route.decode
@@ -319,8 +320,8 @@ class Pipeline:
         call = decode.Decode(pdserve_pb2.DecodeRequest(
             request_id=rid, prompt_token_ids=prepared.prompt_token_ids,
             params=_wire_params(prepared, resume), local_prefill=local,
-            cache_salt=prepared.cache_salt, resume_token_ids=resume, return_timing=want),
-            metadata=span.headers() or None)
+            cache_salt=prepared.cache_salt, resume_token_ids=resume, return_timing=want,
+            lora_name=prepared.lora_name), metadata=span.headers() or None)
         prefill: asyncio.Task | None = None
         found: dict[str, pdserve_pb2.WorkerTiming] = {}       # role -> what it reported
         try:
@@ -438,7 +439,7 @@ class Pipeline:
             request_id=rid, prompt_token_ids=prepared.prompt_token_ids,
             params=_wire_params(prepared, resume), destination=reservation,
             cache_salt=prepared.cache_salt, resume_token_ids=resume,
-            return_timing=trace.want_timing)
+            return_timing=trace.want_timing, lora_name=prepared.lora_name)
         span = trace.span("gateway.prefill", attempt, "client",
                           {"pdserve.worker.id": worker.id}) if trace.traced else NO_SPAN
         start = time.perf_counter()

@@ -81,6 +81,20 @@ def _bounded(default: Any = None, **bounds: Any) -> Any:
     return Field(default, json_schema_extra=bounds)
 
 
+class LoadLoRARequest(_Strict):
+    """POST /v1/load_lora_adapter (vLLM's fields)."""
+
+    lora_name: str = _bounded(..., minLength=1, maxLength=256)
+    lora_path: str = _bounded(..., minLength=1, maxLength=4096)
+
+
+class UnloadLoRARequest(_Strict):
+    """POST /v1/unload_lora_adapter (vLLM's; lora_int_id is accepted and not used)."""
+
+    lora_name: str = _bounded(..., minLength=1, maxLength=256)
+    lora_int_id: int | None = None
+
+
 def _shaped(default: Any = None, **schema: Any) -> Any:
     """A field whose schema is `schema`: for unions whose parts have bounds of their own."""
     def put(field_schema: dict) -> None:

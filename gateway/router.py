@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -107,6 +108,9 @@ class Route:
     candidates: tuple[tuple[str, int, int], ...] = ()
 
 
+LORA_NOTE_S = 6.0        # a LoRA call's answer outlives the registry's view this long
+
+
 class Router:
     """Knows the live workers, picks a (prefill, decode) pair per request, owns the channels.
 
@@ -142,6 +146,7 @@ class Router:
         self.rejoin_grace_s = 6.0
         self._rejoin_until: float | None = None
         self._workers: dict[str, list[WorkerInfo]] = {role: [] for role in ROLES}
+        self._lora_notes: dict[str, tuple[str, float]] = {}   # worker id -> (adapters, until)
         self._refused: dict[str, WorkerInfo] = {}
         self._warned: set[tuple] = set()
         self._unsigned: set[tuple[str, str]] = set()   # refused registrations already logged
@@ -170,7 +175,7 @@ class Router:
             log.info("redis at %s is reachable again", redacted(self.redis_url))
         self._redis_down = False
         workers = self._with_rejoining(workers, came_back)
-        self._apply(workers)
+        self._apply(self._with_lora_changes(workers))
         await self._close_unused_channels()
         if self.metrics is not None and self.routing == "prefix":
             try:
@@ -268,13 +273,38 @@ class Router:
         return self._in_flight.get(worker_id, 0)
 
     # ------------------------------------------------------------------ choice
-    def _candidates(self, role: str, avoid: frozenset[str] = frozenset()) -> list[WorkerInfo]:
-        """Workers of the role, without those found unreachable lately or in `avoid` (ids), as
-        long as that leaves any."""
+    def note_loras(self, worker_id: str, names: list[str]) -> None:
+        """A worker's adapters as its LoRA call just answered: they hold over what Redis says
+        until its heartbeats have caught up (LORA_NOTE_S)."""
+        self._lora_notes[worker_id] = (",".join(names), time.monotonic() + LORA_NOTE_S)
+        for role, ws in self._workers.items():
+            self._workers[role] = [dataclasses.replace(w, loras=",".join(names))
+                                   if w.id == worker_id else w for w in ws]
+
+    def _with_lora_changes(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
+        now = time.monotonic()
+        self._lora_notes = {k: v for k, v in self._lora_notes.items() if v[1] > now}
+        return [dataclasses.replace(w, loras=self._lora_notes[w.id][0])
+                if w.id in self._lora_notes else w for w in workers]
+
+    def lora_names(self) -> set[str]:
+        """The LoRA adapters some registered worker serves (their heartbeats')."""
+        return {n for ws in self._workers.values() for w in ws for n in w.loras.split(",") if n}
+
+    def _candidates(self, role: str, avoid: frozenset[str] = frozenset(),
+                    lora: str = "") -> list[WorkerInfo]:
+        """Workers of the role (serving the LoRA adapter `lora`, if any), without those found
+        unreachable lately or in `avoid` (ids), as long as that leaves any."""
         workers = self._workers[role]
         if not workers:
             raise GatewayError(f"no {role} worker is available; try again later",
                                status=503, code="no_worker", retry_after=5.0)
+        if lora:
+            workers = [w for w in workers if lora in w.loras.split(",")]
+            if not workers:
+                raise GatewayError(f"no {role} worker serves the LoRA adapter `{lora}`; load "
+                                   "it on every worker (POST /v1/load_lora_adapter)",
+                                   status=503, code="lora_not_loaded", retry_after=5.0)
         now = time.monotonic()
         workers = [w for w in workers if w.id not in avoid] or workers
         return [w for w in workers if self._avoid_until.get(w.id, 0.0) <= now] or workers
@@ -288,9 +318,10 @@ class Router:
         best = min(cost(w) for w in workers)
         return self._take_turn(role, [w for w in workers if cost(w) == best])
 
-    def pick(self, role: str, avoid: frozenset[str] = frozenset()) -> WorkerInfo:
+    def pick(self, role: str, avoid: frozenset[str] = frozenset(), lora: str = ""
+             ) -> WorkerInfo:
         """The least loaded worker of `role`; GatewayError(503) when none is registered."""
-        workers = self._candidates(role, avoid)
+        workers = self._candidates(role, avoid, lora)
         if self.routing == "round-robin":
             return self._take_turn(role, workers)
         return self._lowest(role, workers, lambda w: self.in_flight(w.id))
@@ -315,18 +346,21 @@ class Router:
         return found
 
     async def route(self, prompt_token_ids=(), cache_salt: str = "",
-                    avoid: frozenset[str] = frozenset()) -> Route:
+                    avoid: frozenset[str] = frozenset(), lora: str = "") -> Route:
         """Choose (prefill, decode) for a prompt, not among `avoid` (worker ids) unless nothing
-        else is left. When a role has no known worker, Redis is read once more first (a worker
-        may have registered since the last poll)."""
+        else is left, both serving the LoRA adapter `lora` if one is asked for. When a role has
+        no known worker, Redis is read once more first (a worker may have registered since the
+        last poll)."""
         if not all(self._workers.values()):
             await self.refresh()
         if self.routing != "prefix":
-            decode, prefill = self.pick("decode", avoid), self.pick("prefill", avoid)
+            decode = self.pick("decode", avoid, lora)
+            prefill = self.pick("prefill", avoid, lora)
             weighed = tuple((w.id, 0, self.in_flight(w.id))
-                            for w in self._candidates("prefill", avoid))
+                            for w in self._candidates("prefill", avoid, lora))
             return Route(prefill, decode, self.routing.replace("-", "_"), 0, weighed)
-        decodes, prefills = self._candidates("decode", avoid), self._candidates("prefill", avoid)
+        decodes = self._candidates("decode", avoid, lora)
+        prefills = self._candidates("prefill", avoid, lora)
         cached = await self.cached_blocks(prompt_token_ids, cache_salt)
         found = cached or {}
         bs = self._reference.block_size if self._reference else 1

@@ -81,6 +81,7 @@ async def serve(args: argparse.Namespace) -> None:
     router = Router(args.redis_url, routing=args.routing, metrics=metrics,
                     expected_shape=kv_shape(model_dir), auth=auth,
                     redis_settings=redis_settings)
+    preparer.adapters = router.lora_names     # a request's `model` may name a worker's adapter
     tracing = Tracing.from_args(args, "pdserve-gateway")    # both front doors use pipeline's
     pipeline = Pipeline(router, preparer.tokenizer, _pipeline_config(args), metrics, tracing)
 

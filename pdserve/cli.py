@@ -83,8 +83,9 @@ def _add_passthrough(workers, gateway) -> None:
             continue
         if action.nargs == 0:           # store_true / store_false
             kind = dict(action="store_const", const=action.const)
-        elif action.nargs is None:
-            kind = dict(type=action.type, choices=action.choices, metavar=action.metavar)
+        elif action.nargs in (None, "+"):
+            kind = dict(type=action.type, choices=action.choices, metavar=action.metavar,
+                        nargs=action.nargs)
         else:
             raise ValueError(f"pdserve up cannot pass {flag} (nargs={action.nargs!r}) through")
         group = gateway if tuple(defaults) == ("gateway",) else workers

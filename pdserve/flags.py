@@ -104,6 +104,7 @@ def add_worker(p: argparse.ArgumentParser, role: str, port: int) -> None:
                         "(docs/performance.md, \"Sharing the cores\")")
     _add_engine(p)
     _add_kv_offload(p)
+    _add_lora(p)
     _add_kv_transfer(p, role)
     p.add_argument("--max-waiting-requests", type=non_negative_int, default=256, metavar="N",
                    help="requests that may wait for a place in the batch; one more is refused "
@@ -216,6 +217,28 @@ def _add_kv_offload(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-offload-min-seen", type=int, default=1, metavar="N",
                    help="admission: an evicted block is kept in a tier only when it was "
                         "computed or hit at least N times (1: every evicted block)")
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """argparse type of --lora-modules: NAME=PATH."""
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name.strip(), path.strip()
+
+
+def _add_lora(p: argparse.ArgumentParser) -> None:
+    """LoRA adapters (engine.lora)."""
+    g = p.add_argument_group("LoRA adapters")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters of the model (PEFT folders): a request's `model` "
+                        "names one; every worker of a deployment that serves it needs it")
+    g.add_argument("--lora-modules", type=lora_module, nargs="+", default=[],
+                   metavar="NAME=PATH", help="adapters loaded at start (with --enable-lora)")
+    g.add_argument("--max-loras", type=int, default=4, metavar="N",
+                   help="adapters one step may use: their slots on the device")
+    g.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
+                   help="the highest adapter rank served (the slots are this wide)")
 
 
 def _add_kv_transfer(p: argparse.ArgumentParser, role: str) -> None:

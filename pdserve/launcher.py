@@ -259,6 +259,10 @@ def passthrough_args(args, role: str, **computed) -> list[str]:
         if action.nargs == 0:           # a switch: `up` holds its const when it was given
             if value is not None and value == action.const:
                 out.append(long_flag(action))
+        elif isinstance(value, list):       # nargs "+": the flag, then each value
+            if value:
+                out += [long_flag(action), *("=".join(v) if isinstance(v, tuple) else str(v)
+                                             for v in value)]
         elif value is not None:
             out.append(f"{long_flag(action)}={value}")
     return out

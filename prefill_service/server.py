@@ -27,8 +27,8 @@ from cluster.metrics import WorkerMetrics
 from cluster.tracing import Tracing
 from serving.params import request_from_pb
 from serving.tracing import Transfer, prefill_phase, prefill_timing, start_timeline, traced_call
-from serving.worker import (ADMISSION_ERRORS, Grammars, WorkerIdentity, output_error_code, refuse,
-                            serve, worker_stats)
+from serving.worker import (ADMISSION_ERRORS, Grammars, WorkerIdentity, lora_call,
+                            output_error_code, refuse, serve, worker_stats)
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
@@ -195,6 +195,9 @@ class PrefillServicer(pb_grpc.PrefillWorkerServicer):
         if not found:
             self._cancelled.discard(rid)
         return pb.AbortReply(found=found)
+
+    async def LoRA(self, request: pb.LoRARequest, context):
+        return await lora_call(self.aengine, request, context)
 
     async def Stats(self, request, context):
         return worker_stats(self.aengine)

@@ -59,5 +59,7 @@ def _early_stopping(text: str) -> bool | str:
 def request_from_pb(rid: str, msg: pb.DecodeRequest | pb.PrefillRequest) -> Request:
     """The engine's Request of a Decode or Prefill call, known by `rid` (ValueError on bad
     values): its prompt, parameters, cache salt and the output a moved stream resumes after."""
-    return Request(rid, list(msg.prompt_token_ids), sampling_from_pb(msg.params),
-                   output_token_ids=list(msg.resume_token_ids), cache_salt=msg.cache_salt)
+    req = Request(rid, list(msg.prompt_token_ids), sampling_from_pb(msg.params),
+                  output_token_ids=list(msg.resume_token_ids), cache_salt=msg.cache_salt)
+    req.lora_name = msg.lora_name
+    return req

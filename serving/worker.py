@@ -89,13 +89,19 @@ def build_engine(args, role: str):
                        kv_offload_gib=args.kv_offload_gib, kv_offload_dir=args.kv_offload_dir,
                        kv_offload_disk_gib=args.kv_offload_disk_gib,
                        kv_offload_min_seen=args.kv_offload_min_seen,
+                       enable_lora=args.enable_lora, max_loras=args.max_loras,
+                       max_lora_rank=args.max_lora_rank,
                        **resolve_device_defaults(args, role), **_spec_config(args))
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     gib = args.kv_cache_gib or (0.0 if cfg.device.startswith("cuda") else 1.0)
     if cfg.num_blocks == 0 and gib > 0:
         import dataclasses
         cfg = dataclasses.replace(cfg, num_blocks=blocks_for_gib(model_cfg, cfg, gib))
     t0 = time.perf_counter()
     engine = Engine(model_dir, cfg, model_cfg)
+    for name, path in args.lora_modules:          # AdapterError: the worker does not start
+        engine.add_lora(name, path)
     cfg = engine.cfg
     if cfg.compute_dtype != cfg.dtype:
         log.warning("%s weights computed in %s: this device has no fast %s matmul "
@@ -208,6 +214,24 @@ async def refuse(context, exc: Exception) -> None:
     if isinstance(exc, EngineDead):
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+
+async def lora_call(aengine, request, context):
+    """The LoRA RPC of either worker: load (`path` set) or unload an adapter; -> LoRAReply."""
+    from engine.lora.adapter import AdapterError
+    from proto import pdserve_pb2 as pb
+
+    engine = aengine.engine
+    try:
+        if request.path:       # reading the tensors: off the event loop and the engine thread
+            await asyncio.to_thread(engine.add_lora, request.name, request.path)
+        else:
+            engine.remove_lora(request.name)
+    except AdapterError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    except ValueError as exc:                     # no --enable-lora
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+    return pb.LoRAReply(loaded=engine.list_loras())
 
 
 def output_error_code(aengine):
@@ -410,6 +434,7 @@ class Signals:
         self._last = now
         prompt, decode = self.aengine.backlog()
         return dict(queued_prompt_tokens=prompt, remaining_decode_tokens=decode,
+                    loras=",".join(self.aengine.engine.list_loras()),
                     prompt_tokens_per_s=round(self._rates[0], 3),
                     decode_tokens_per_s=round(self._rates[1], 3))
 

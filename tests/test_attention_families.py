@@ -143,3 +143,53 @@ def test_the_engines_features_on_layers_that_differ(tmp_path, family):
     finally:
         eng.close()
     assert [got[("b", c)][0] for c in range(3)] == _hf_beams((None, hf), ids, 3, 1.0, False, 10)
+
+
+LONGROPE = dict(model_type="phi3", architectures=["Phi3ForCausalLM"], tie_word_embeddings=False,
+                pad_token_id=0, partial_rotary_factor=0.5, original_max_position_embeddings=24,
+                rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.3, 1.7, 2.2],
+                              "long_factor": [1.0, 3.0, 7.0, 15.0]})
+
+
+@pytest.mark.parametrize("speculative", ["off", "ngram"])
+def test_phi3_longrope_switches_factors_as_hf_does(tmp_path, speculative):
+    """LongRoPE (Phi-3 128K, Phi-4-mini): a prompt within the original context (24 here) takes
+    the short factors and its generation the long ones from position 24 on; a longer prompt
+    takes the long ones everywhere (chunked prefill included), and never reuses KV the short
+    factors computed (the prefix cache keys them apart)."""
+    spec = {**TINY, **LONGROPE}
+    cfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    cfg.initializer_range = 0.2
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path)
+    mc = ModelConfig.from_dir(tmp_path)
+    assert mc.long_rope_after == 24
+    eng = Engine(tmp_path, EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=8,
+                                        speculative=speculative, num_speculative_tokens=4), mc)
+    ids = torch.randint(0, 128, (1, 37), generator=torch.Generator().manual_seed(2))[0]
+    short = ids[:20].tolist()
+
+    def generate(prompt, n):
+        eng.add_request(Request("g", prompt, SamplingParams(temperature=0, max_tokens=n,
+                                                            ignore_eos=True)))
+        got = []
+        while eng.has_work():
+            for o in eng.step():
+                got.extend(o.new_token_ids)
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert got == want
+
+    generate(short, 3)                      # within the original context: short factors
+    # a longer prompt sharing those 20 tokens: every position long, none of their KV reused
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    hits = eng.kv_manager.hit_tokens
+    torch.testing.assert_close(engine_logits(eng, ids.tolist()), ref, rtol=1e-4, atol=1e-4)
+    assert eng.kv_manager.hit_tokens == hits
+    # generated past it: computed again with the long factors (as HF drops its cache there;
+    # proposals never carry a step past it)
+    generate(short, 16)
+    generate([5, 6, 7, 8] * 5, 16)          # repeats: n-gram proposals near the edge
+    assert eng.pool.num_free == eng.pool.num_blocks

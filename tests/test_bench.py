@@ -263,6 +263,22 @@ def test_stepbench_splits_a_decode_step_into_linears_and_the_rest(model_dir, tmp
     assert "outside them" in proc.stdout
 
 
+def test_stepbench_times_decode_steps_with_lora_adapters(model_dir, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "step.json"
+    proc = subprocess.run([sys.executable, "-m", "pdserve.cli", "stepbench", "--model",
+                           str(model_dir), "--batch", "3", "--context", "24", "--steps", "2",
+                           "--loras", "2", "--lora-rank", "8", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(out.read_text())
+    assert got["loras"] == 2 and got["lora_rank"] == 8 and got["step_ms"] > 0
+    assert "2 LoRA adapters of rank 8" in proc.stdout
+
+
 def test_stepbench_compare_times_every_cpu_path_the_host_runs(model_dir, tmp_path):
     import json
     import subprocess

@@ -122,7 +122,7 @@ class Cluster:
     def workers(self, role: str) -> list[WorkerInfo]:
         return [w for w in self._workers if w.role == role]
 
-    async def route(self, tokens, cache_salt="", avoid=frozenset()) -> Route:
+    async def route(self, tokens, cache_salt="", avoid=frozenset(), lora="") -> Route:
         self.routes.append(tuple(tokens))
 
         def pick(role):

@@ -145,8 +145,9 @@ def test_forks_share_and_copy_per_group():
     assert kv.pool.num_free == kv.pool.num_blocks
 
 
-@pytest.mark.parametrize("family", ["gemma2", "mistral"])
-def test_an_engine_holds_a_window_per_sliding_group(tmp_path, family):
+@pytest.mark.parametrize("family,speculative", [("gemma2", "off"), ("mistral", "off"),
+                                                ("gemma2", "ngram")])
+def test_an_engine_holds_a_window_per_sliding_group(tmp_path, family, speculative):
     import torch
 
     from engine.config import EngineConfig
@@ -154,10 +155,11 @@ def test_an_engine_holds_a_window_per_sliding_group(tmp_path, family):
     from tests.test_attention_families import WINDOW, make_model
 
     hf = make_model(tmp_path, family)
-    eng = Engine(tmp_path, EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=8))
+    eng = Engine(tmp_path, EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=8,
+                                        speculative=speculative, num_speculative_tokens=4))
     groups = eng.kv_manager.groups
     assert groups.sliding and eng.layout.groups == groups.windows
-    prompt = [5, 9, 17, 3, 3, 100, 41, 8, 8, 2, 7, 7, 1, 90]
+    prompt = [5, 9, 17, 3, 3, 100, 41, 8, 8, 2, 7, 7, 1, 90] + [5, 9, 17, 3] * 3
     eng.add_request(Request("r", prompt, SamplingParams(temperature=0, max_tokens=40,
                                                         ignore_eos=True)))
     got, peak = [], 0
@@ -170,7 +172,8 @@ def test_an_engine_holds_a_window_per_sliding_group(tmp_path, family):
     assert got == ref
     n = len(prompt) + 40
     full = sum(1 for w in groups.windows if not w) * -(-n // 4)
-    sliding = sum(1 for w in groups.windows if w) * ((WINDOW - 1) // 4 + 2 + 8 // 4)
+    step = 8 // 4 + 1                    # a step's tokens (a chunk, or 1 + 4 proposals)
+    sliding = sum(1 for w in groups.windows if w) * ((WINDOW - 1) // 4 + 2 + step)
     assert peak <= full + sliding < groups.num_groups * -(-n // 4)
     assert eng.pool.num_free == eng.pool.num_blocks
 

@@ -132,6 +132,9 @@ def _non_default(action: argparse.Action) -> tuple[list[str], object]:
     flag = next(o for o in action.option_strings if o.startswith("--"))
     if action.nargs == 0:
         return [flag], action.const
+    if action.nargs == "+":               # (--lora-modules NAME=PATH ...)
+        texts = ["a=/x/a", "b=/y/b"]
+        return [flag, *texts], [action.type(t) for t in texts]
     if action.choices:
         value = next(c for c in action.choices if c != action.default)
         return [flag, value], value

@@ -212,3 +212,24 @@ def test_remote_requests_respect_the_running_limit():
     out = s.schedule()      # the queued one joins with its blocks and one token to compute
     assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("1", 1), ("2", 1)]
     assert kv.block_table("2") == [2]
+
+
+def test_longrope_sequences_are_computed_again_past_the_original_context():
+    """LongRoPE (engine.layers.rotary): proposals never carry a short-factor step past the
+    original context (12 here); a sequence that grows past it is computed again, long."""
+    cfg = EngineConfig(role="decode", block_size=4, num_blocks=16, max_num_batched_tokens=32,
+                       max_num_seqs=4)
+    kv = KVCacheManager(BlockPool(16), 4)
+    s = Scheduler(cfg, kv, eos_token_ids=(0,), max_model_len=64, long_rope_after=12)
+    r = Request("r", list(range(1, 11)), SamplingParams(temperature=0, max_tokens=20))
+    s.add(r)
+    s.update(s.schedule(), [50], [None])                 # the prompt, then its first token
+    assert r.num_tokens == 11 and not r.long_rope
+    r.spec_token_ids = [7, 7, 7, 7]
+    out = s.schedule()
+    assert out.scheduled[0].num_new_tokens == 2 and r.spec_token_ids == [7]   # up to 12
+    s.update(out, [[7, 51]], [[None, None]])            # the proposal accepted: 13 tokens
+    assert r.num_tokens == 13
+    out = s.schedule()
+    assert r.long_rope and out.scheduled[0].num_new_tokens == 13     # all of it again
+    assert kv.blocks_needed(13) == len(kv.block_table("r"))

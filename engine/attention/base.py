@@ -39,13 +39,17 @@ class BatchLayout:
     its id (or releases entries no query reads any more), so a backend may keep it on the
     device and upload only what it adds (engine.attention.block_tables); a table that changes
     otherwise needs a new id. `block_tables` are KV group 0's, `more_tables[g - 1]` group g's
-    (none: group 0's tables serve every group, as in a profiling step)."""
+    (none: group 0's tables serve every group, as in a profiling step). `rope_long[i]`: a
+    LongRoPE model's sequence i takes the long factors at every position
+    (engine.layers.rotary)."""
 
     block_tables: Sequence[Sequence[int]]
     starts: Sequence[int]
     q_lens: Sequence[int]
     table_ids: Sequence[int | None] | None = None
     more_tables: tuple[Sequence[Sequence[int]], ...] = ()
+    rope_long: Sequence[bool] | None = None
+    lora_slots: Sequence[int] | None = None    # each sequence's LoRA slot (-1: the base model)
 
     def tables(self, group: int) -> Sequence[Sequence[int]]:
         if group == 0 or not self.more_tables:
@@ -54,11 +58,13 @@ class BatchLayout:
 
     @classmethod
     def of_groups(cls, tables: Sequence[Sequence[Sequence[int]]], starts, q_lens,
-                  table_ids=None) -> "BatchLayout":
+                  table_ids=None, rope_long=None, lora_slots=None) -> "BatchLayout":
         """From each sequence's tables per group (KVCacheManager.group_tables)."""
         groups = len(tables[0]) if tables else 1
         return cls([t[0] for t in tables], starts, q_lens, table_ids,
-                   tuple([t[g] for t in tables] for g in range(1, groups)))
+                   tuple([t[g] for t in tables] for g in range(1, groups)),
+                   rope_long if rope_long and any(rope_long) else None,
+                   lora_slots if lora_slots and any(s >= 0 for s in lora_slots) else None)
 
     @property
     def num_tokens(self) -> int:

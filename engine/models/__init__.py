@@ -93,11 +93,14 @@ tiny random models against HF transformers (fp32 logits of every position throug
 prefill and the paged cache, greedy tokens of a batch: tests/test_model_parity.py,
 tests/test_moe_models.py, tests/test_attention_families.py). Sliding windows, soft-capped
 scores and attention sinks run in every attention path (the Triton kernels, the C++ CPU
-kernel, gather + SDPA); a sliding layer does not read the blocks before its window but still
-keeps them (freeing them for that layer is not done yet). What the engine does around the model (tensor parallelism with
-`--tensor-parallel-size`, prefill and decode pools of different sizes, KV transfer over grpc,
-nixl or torch, the prefix cache, n-gram and draft-model speculation, structured outputs, beam
-search, prompt logprobs) does not depend on the family; what does is in the table. Expert
+kernel, gather + SDPA), and a sliding layer holds only its window: its KV group releases the
+blocks behind it, and a KV transfer moves only the blocks the window needs
+(engine/kv_groups.py; `pdserve windowbench` prints the bytes a sequence holds). What the
+engine does around the model (tensor parallelism with `--tensor-parallel-size`, prefill and
+decode pools of different sizes, KV transfer over grpc, nixl or torch, the prefix cache,
+n-gram and draft-model speculation, structured outputs, beam search, prompt logprobs) does not
+depend on the family; what does is in the table. The KV offload tiers (`--kv-offload-gib`)
+refuse models with sliding-window layers. Expert
 parallelism (`--expert-parallel`) splits the experts whole over the tensor-parallel ranks
 (tests/test_expert_parallel.py). nixl moves the KV of one-process workers (no tensor
 parallelism) only.

@@ -127,6 +127,7 @@ class DraftProposer(Proposer):
         # its own runner: its own KV pool (num_blocks), buffers and decode graphs
         self.runner = ModelRunner(model_dir, self.mcfg,
                                   replace(cfg, num_blocks=num_blocks, speculative="off",
+                                          enable_lora=False,    # proposals of the base model
                                           tensor_parallel_size=1,
                                           # a draft checkpoint's own quantization, or int8
                                           quantization="int8" if cfg.quantization == "int8"

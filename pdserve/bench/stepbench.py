@@ -24,6 +24,10 @@ dense model doing the same arithmetic per token. --moe-backend picks the experts
 (reference: the loop over experts; grouped: the CPU path), --expert-parallel splits them over
 --tensor-parallel-size ranks.
 
+--loras N (with --lora-rank R) gives the sequences N random LoRA adapters of rank R on every
+projection, round-robin: the step then adds each adapter's batched matmuls (engine.lora), and
+the step time against a run without --loras is their cost.
+
 --compare 1,8,32 times every CPU path the host can run (--linear-method avx2 / onednn / torch
 x --cpu-attention avx2 / sdpa) at each batch size, --rounds passes over them all interleaved
 (the machine's noise falls on every path alike), and prints one table of median step times with
@@ -128,7 +132,10 @@ def run(args) -> dict:
                               quantization=args.quantization,
                               tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                               expert_parallel=getattr(args, "expert_parallel", False),
-                              moe_backend=getattr(args, "moe_backend", "auto")),
+                              moe_backend=getattr(args, "moe_backend", "auto"),
+                              enable_lora=getattr(args, "loras", 0) > 0,
+                              max_loras=max(getattr(args, "loras", 0), 1),
+                              max_lora_rank=getattr(args, "lora_rank", 16)),
                  model_cfg, random_weights=bool(shape))
     try:
         return _measure(args, eng, new)
@@ -155,11 +162,14 @@ def _add_requests(args, eng: Engine, new: int) -> bool:
         grammar = GrammarCompiler(eng.model_dir, vocab, eng.model_cfg.eos_token_ids).compile(spec)
     sampling = dict(temperature=getattr(args, "temperature", 0.0),
                     top_p=getattr(args, "top_p", 1.0), top_k=getattr(args, "top_k", 0))
+    loras = _random_adapters(eng, getattr(args, "loras", 0), getattr(args, "lora_rank", 16))
     for i in range(args.batch):
         params = SamplingParams(max_tokens=new, ignore_eos=True, structured=spec, seed=i,
                                 **sampling)
         req = Request(str(i), torch.randint(0, vocab, (args.context,), generator=gen).tolist(),
                       params)
+        if loras:
+            req.lora_name = loras[i % len(loras)]
         if grammar is not None:
             req.structured_state = grammar.matcher()
         eng.add_request(req)
@@ -167,6 +177,38 @@ def _add_requests(args, eng: Engine, new: int) -> bool:
               for r in list(eng.scheduler.waiting) + eng.scheduler.running):
         eng.step()
     return structured
+
+
+def _random_adapters(eng: Engine, n: int, rank: int) -> list[str]:
+    """n adapters of rank `rank` on every projection (random, small), loaded into `eng`."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import save_file
+
+    from engine.lora.adapter import projection_shape
+
+    mc, names = eng.model_cfg, []
+    attn = ("q_proj", "k_proj", "v_proj", "o_proj")
+    projs = attn + (() if mc.moe is not None else ("gate_proj", "up_proj", "down_proj"))
+    for j in range(n):
+        d = Path(tempfile.mkdtemp(prefix="stepbench-lora-"))
+        g = torch.Generator().manual_seed(j)
+        tensors = {}
+        for layer in range(mc.num_layers):
+            for p in projs:
+                fan_in, fan_out = projection_shape(mc, p)
+                key = (f"base_model.model.model.layers.{layer}."
+                       f"{'self_attn' if p in attn else 'mlp'}.{p}")
+                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * 0.01
+                tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.01
+        save_file(tensors, str(d / "adapter_model.safetensors"))
+        (d / "adapter_config.json").write_text(json.dumps(
+            dict(peft_type="LORA", r=rank, lora_alpha=rank, target_modules=list(projs))))
+        eng.add_lora(f"bench{j}", str(d))
+        names.append(f"bench{j}")
+    return names
 
 
 def _sampling(args) -> str:
@@ -221,7 +263,8 @@ def _measure(args, eng: Engine, new: int) -> dict:
                batch=args.batch, context=args.context, threads=args.threads, tensor_parallel=tp,
                backend=runner.backend.name, cpu_attention=cpu_path, linear_methods=methods, step_ms=step * 1e3, linear_ms=lin * 1e3,
                outside_ms=(step - lin) * 1e3, outside_share=(step - lin) / step,
-               best_step_ms=min(steps) * 1e3, sampling=_sampling(args))
+               best_step_ms=min(steps) * 1e3, sampling=_sampling(args),
+               loras=getattr(args, "loras", 0), lora_rank=getattr(args, "lora_rank", 0))
     if structured:
         mask = statistics.median(masks[WARMUP:])
         out.update(structured="json", mask_ms=mask * 1e3, mask_share=mask / step)
@@ -230,7 +273,9 @@ def _measure(args, eng: Engine, new: int) -> dict:
         backend = next(m for m in eng.model.modules() if isinstance(m, Experts)).method.name
         print(f"MoE: {moe.num_experts} experts, top-{moe.top_k}, {len(moe.layers)} MoE "
               f"layers; experts' backend {backend}")
-    print(f"batch {args.batch}, {args.context}-token contexts, {out['sampling']}, "
+    lora = (f", {out['loras']} LoRA adapters of rank {out['lora_rank']}" if out["loras"]
+            else "")
+    print(f"batch {args.batch}, {args.context}-token contexts, {out['sampling']}{lora}, "
           f"{args.threads} thread(s)"
           f"{f' x {tp} ranks' if tp > 1 else ''}, "
           f"{out['backend']}{f'/{cpu_path}' if cpu_path else ''} attention, linear {'+'.join(methods)}: decode step {out['step_ms']:.1f} ms (median of "
@@ -346,6 +391,11 @@ def register(sub) -> None:
     p.add_argument("--expert-parallel", action="store_true",
                    help="MoE models: experts split whole over the ranks (as the workers' flag)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--loras", type=int, default=0, metavar="N",
+                   help="give the sequences N random LoRA adapters (round-robin): the step's "
+                        "LoRA cost against a run without")
+    p.add_argument("--lora-rank", type=int, default=16, metavar="R",
+                   help="with --loras: the adapters' rank")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sample the decoded tokens (0: greedy)")
     p.add_argument("--top-p", type=float, default=1.0, help="with --temperature")

@@ -14,6 +14,7 @@ windows).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -55,6 +56,7 @@ def measure(shape: str, context: int, new: int, block_size: int, threads: int,
 
     from engine.config import EngineConfig, ModelConfig, kv_bytes_per_block
     from engine.engine import Engine
+    from engine.kv_groups import of_engine
     from engine.request import Request, SamplingParams
 
     torch.set_num_threads(threads)
@@ -66,9 +68,10 @@ def measure(shape: str, context: int, new: int, block_size: int, threads: int,
     model_cfg = ModelConfig.from_hf(hf)
     tokens = context + new
     need = -(-tokens // block_size)
-    cfg = EngineConfig(num_blocks=model_cfg.num_layers * need + 64, block_size=block_size,
-                       max_model_len=tokens + block_size, max_num_batched_tokens=chunk,
-                       enable_prefix_caching=False)
+    cfg = EngineConfig(num_blocks=1, block_size=block_size, max_model_len=tokens + block_size,
+                       max_num_batched_tokens=chunk, enable_prefix_caching=False)
+    groups = of_engine(model_cfg, cfg)           # room for every group's whole table
+    cfg = dataclasses.replace(cfg, num_blocks=groups.num_groups * need + 64)
     t0 = time.perf_counter()
     eng = Engine(None, cfg, model_cfg, random_weights=True)
     try:
