@@ -134,7 +134,8 @@ class ModelRunner:
                                  "are not supported yet")
             from engine.lora.manager import LoRAManager
             self.lora = LoRAManager(self.model, model_cfg, cfg.max_loras, cfg.max_lora_rank,
-                                    self.device, self.dtype)
+                                    self.device, self.dtype,
+                                    triton=self.backend.kernels == "triton")
         self.sampler = Sampler(m.eos_token_ids)
         self.buffers = self._new_buffers(self.sizes)
         self.num_blocks = cfg.num_blocks or self._blocks_from_memory()

@@ -24,7 +24,7 @@ import torch
 
 from pdkernels import triton_activation, triton_attention, triton_kv_store, triton_norm
 from pdkernels.triton_attention import MAX_SPLITS
-from pdkernels import triton_moe, triton_quant_linear
+from pdkernels import triton_lora, triton_moe, triton_quant_linear
 
 NUM_SMS = 132          # H100 / H200: the split-KV and split-K counts the runtime picks there
 MAX_SEQS = 256         # decode batch sizes whose split counts are compiled; staged rows
@@ -270,6 +270,35 @@ def fused_moe(shape: ModelShape, dtype, matrix: Matrix) -> Iterator[tuple[str, C
                                                                  torch.int32, True)
 
 
+# ---------------------------------------------------------------------------------------------
+# LoRA (engine.lora: the adapted projections with the Triton backend)
+
+LORA_SLOTS, LORA_RANK = 4, 16      # the workers' --max-loras / --max-lora-rank defaults
+
+
+def _lora(fan_in: int, outs: list[int], rows: int, dtype) -> None:
+    x = torch.empty(rows, fan_in, dtype=dtype)
+    y = torch.empty(rows, sum(outs), dtype=dtype)
+    a = torch.empty(LORA_SLOTS, len(outs) * LORA_RANK, fan_in, dtype=dtype)
+    b = [torch.empty(LORA_SLOTS, LORA_RANK, o, dtype=dtype) for o in outs]
+    half = rows // 2                       # two adapters' segments (one when a single row)
+    p = triton_lora.plan([(0, list(range(half))), (1, list(range(half, rows)))]
+                         if half else [(0, [0])], torch.device("cpu"))
+    triton_lora.lora_delta(y, x, a, b, p)
+
+
+def lora(shape: ModelShape, dtype, matrix: Matrix) -> Iterator[tuple[str, Call]]:
+    """Each adapted projection's shrink and expand (rank 16, 4 slots) at decode and prefill
+    step sizes."""
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    for name, fan_in, outs in (("qkv", shape.hidden, [q, kv, kv]), ("o", q, [shape.hidden]),
+                               ("gate_up", shape.hidden, [shape.intermediate] * 2),
+                               ("down", shape.intermediate, [shape.hidden])):
+        for rows in (1, 32, 512):
+            yield (f"{shape.name} {name} T={rows}",
+                   partial(_lora, fan_in, outs, rows, dtype))
+
+
 # name -> cases; the table lists entries in this order.
 ENTRIES: dict[str, Callable[[ModelShape, torch.dtype, Matrix], Iterator[tuple[str, Call]]]] = {
     "paged_attention": attention,
@@ -278,4 +307,5 @@ ENTRIES: dict[str, Callable[[ModelShape, torch.dtype, Matrix], Iterator[tuple[st
     "silu_and_mul": silu_and_mul,
     "quant_linear": quant_linear,
     "fused_moe": fused_moe,
+    "lora": lora,
 }

@@ -216,6 +216,13 @@ async def refuse(context, exc: Exception) -> None:
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
 
+def _heartbeat(aengine):
+    """What each heartbeat refreshes besides the load: the autoscaling signals and the LoRA
+    adapters the worker serves (the gateway routes adapter requests by them)."""
+    signals = Signals(aengine)
+    return lambda: dict(signals(), loras=",".join(aengine.engine.list_loras()))
+
+
 async def lora_call(aengine, request, context):
     """The LoRA RPC of either worker: load (`path` set) or unload an adapter; -> LoRAReply."""
     from engine.lora.adapter import AdapterError
@@ -403,7 +410,7 @@ def _registry_duties(redis_url: str, role: str, ident: WorkerIdentity, aengine, 
                       head_dim=lay.head_dim, total_blocks=engine.pool.num_blocks,
                       tensor_parallel_size=lay.tensor_parallel_size, started_at=time.time())
     reg = WorkerRegistration(redis_url, info, load=aengine.load, auth=auth,
-                             redis_settings=redis_settings, signals=Signals(aengine))
+                             redis_settings=redis_settings, signals=_heartbeat(aengine))
     if engine.kv_manager.hasher is None:
         return [reg]
     tiers = engine.offload.tiers if engine.offload is not None else []
@@ -434,7 +441,6 @@ class Signals:
         self._last = now
         prompt, decode = self.aengine.backlog()
         return dict(queued_prompt_tokens=prompt, remaining_decode_tokens=decode,
-                    loras=",".join(self.aengine.engine.list_loras()),
                     prompt_tokens_per_s=round(self._rates[0], 3),
                     decode_tokens_per_s=round(self._rates[1], 3))
 

@@ -66,7 +66,7 @@ def test_every_kernel_compiles_for_sm90_without_spills(quick_run):
     rows = _rows(quick_run.stdout)
     kernels = {(r[0], r[1]) for r in rows}
     for name in ("paged_attention", "merge_splits", "store_kv", "rms_norm", "silu_and_mul",
-                 "quant_linear"):
+                 "quant_linear", "shrink", "expand"):     # (the last two: LoRA's)
         assert {(name, "bf16"), (name, "fp16")} <= kernels, name
 
 

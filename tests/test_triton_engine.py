@@ -114,3 +114,41 @@ def test_gpt_oss_on_the_triton_attention_backend(tmp_path):
     got, eng = generate(tmp_path, "triton")
     assert {m.method.name for m in eng.model.modules() if isinstance(m, Experts)} == {"triton"}
     assert got == want
+
+
+def test_lora_adapters_on_the_triton_backend(tmp_path):
+    """CUDA's LoRA path (pdkernels.triton_lora, chosen with the Triton attention backend): a
+    batch of the base model and two adapters gives the torch path's greedy tokens."""
+    from tests.test_lora import TINY, write_adapter
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("llama", architectures=["LlamaForCausalLM"], **TINY)
+    cfg.initializer_range = 0.2
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp_path)
+    write_adapter(tmp_path / "a1", ["q_proj", "v_proj", "down_proj"], 4, 8, seed=1)
+    write_adapter(tmp_path / "a2", ["k_proj", "o_proj", "gate_proj", "up_proj"], 8, 16, seed=2)
+
+    def run(backend):
+        eng = Engine(tmp_path, EngineConfig(block_size=4, max_num_batched_tokens=8,
+                                            num_blocks=48, device=DEVICE,
+                                            attention_backend=backend, enable_lora=True,
+                                            max_loras=2, max_lora_rank=8))
+        eng.add_lora("a1", str(tmp_path / "a1"))
+        eng.add_lora("a2", str(tmp_path / "a2"))
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        got = {}
+        for i, (prompt, lora) in enumerate(zip(PROMPTS, ["a1", "", "a2"])):
+            req = Request(str(i), prompt, params)
+            req.lora_name = lora
+            eng.add_request(req)
+            got[str(i)] = []
+        while eng.has_work():
+            for o in eng.step():
+                got[o.request_id].extend(o.new_token_ids)
+        return got, eng
+
+    want, _ = run("torch")
+    got, eng = run("triton")
+    assert eng.runner.lora.state.triton
+    assert got == want

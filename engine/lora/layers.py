@@ -12,7 +12,9 @@ side:
 A step's rows come grouped by slot (`LoRABatch`, built once per step by the runner from each
 sequence's slot): the base output, then for each slot present h = x[rows] A^T once, each
 shard's h_s B_s^T side by side, added into y[rows] (`lora_delta`: the reference faster paths
-are checked against). Rows of the base model (slot -1) take nothing.
+are checked against). Rows of the base model (slot -1) take nothing. With the Triton attention
+backend (CUDA), pdkernels.triton_lora does it: rows grouped by slot once a step (its plan), a
+shrink and an expand launch per projection.
 
 A step of several adapters takes `lora_delta_masked` instead (up to MASKED_SLOTS slots): every
 row against every slot's A at once (one matmul), the products of slots not the row's zeroed by
@@ -39,11 +41,14 @@ class LoRABatch:
 
     segments: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     row_slot: torch.Tensor | None = None
+    plan: object = None            # the Triton path's rows by slot (pdkernels.triton_lora)
     _masks: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def of(cls, slots: list[int], q_lens: list[int], device: torch.device) -> "LoRABatch":
-        """From each sequence's slot (-1: the base model) and its rows this step."""
+    def of(cls, slots: list[int], q_lens: list[int], device: torch.device,
+           triton: bool = False) -> "LoRABatch":
+        """From each sequence's slot (-1: the base model) and its rows this step; `triton`:
+        with the plan of pdkernels.triton_lora."""
         rows: dict[int, list[int]] = {}
         r = 0
         for slot, n in zip(slots, q_lens):
@@ -52,8 +57,13 @@ class LoRABatch:
             r += n
         row_slot = torch.tensor([s for s, n in zip(slots, q_lens) for _ in range(n)],
                                 dtype=torch.long, device=device)
+        segments = sorted(rows.items())
+        plan = None
+        if triton:
+            from pdkernels import triton_lora
+            plan = triton_lora.plan(segments, device)
         return cls([(s, torch.tensor(idx, dtype=torch.long, device=device))
-                    for s, idx in sorted(rows.items())], row_slot)
+                    for s, idx in segments], row_slot, plan)
 
     def mask(self, slots: int, shards: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
         """[T, slots, shards, rank]: 1 where the column's slot is the row's (built once)."""
@@ -68,13 +78,20 @@ def lora_delta(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: list[torch.
                batch: LoRABatch) -> None:
     """y[rows] += [h_s @ b[s][slot] for each shard s] with h = x[rows] @ A[slot]^T, for each
     slot's rows (in place). x [T, in], y [T, out]; a [slots, shards * R, in], b[s] [slots, R,
-    out_s] (the out_s summing to out)."""
+    out_s] (the out_s summing to out). The shrink fills h for every row first, then the
+    expand (under tensor parallelism a row-parallel layer's h is what would be summed)."""
     rank = b[0].shape[1]
     whole = len(batch.segments) == 1 and batch.segments[0][1].numel() == x.shape[0]
+    if whole:
+        slot = batch.segments[0][0]
+        h = x @ a[slot].t()                                       # [T, shards * R]
+    else:
+        h = x.new_zeros(x.shape[0], a.shape[1])
+        for slot, rows in batch.segments:
+            h.index_copy_(0, rows, x.index_select(0, rows) @ a[slot].t())
     for slot, rows in batch.segments:
-        xs = x if whole else x.index_select(0, rows)
-        h = xs @ a[slot].t()                                       # [n, shards * R]
-        parts = [h[:, i * rank:(i + 1) * rank] @ bs[slot] for i, bs in enumerate(b)]
+        hs = h if whole else h.index_select(0, rows)
+        parts = [hs[:, i * rank:(i + 1) * rank] @ bs[slot] for i, bs in enumerate(b)]
         d = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)      # [n, out]
         if whole:
             y.add_(d.to(y.dtype))
@@ -88,8 +105,8 @@ def lora_delta_masked(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor,
     b[s] [L, R, out_s] -> y += [((x A_all^T) * mask)_s B_s,all for each shard s]."""
     slots, width, fan_in = a.shape
     shards, rank = len(b), b[0].shape[1]
-    h = (x @ a.view(slots * width, fan_in).t()).view(-1, slots, shards, rank)
-    h = h * batch.mask(slots, shards, rank, h.dtype)
+    h = x @ a.view(slots * width, fan_in).t()
+    h = h.view(-1, slots, shards, rank) * batch.mask(slots, shards, rank, h.dtype)
     parts = [h[:, :, i, :].reshape(-1, slots * rank)
              @ bs.view(slots * rank, -1) for i, bs in enumerate(b)]
     y.add_((parts[0] if shards == 1 else torch.cat(parts, dim=1)).to(y.dtype))
@@ -129,7 +146,10 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         batch = self.state.batch
-        if len(batch.segments) > 1 and self.a.shape[0] <= MASKED_SLOTS:
+        if batch.plan is not None:                    # the Triton kernels
+            from pdkernels import triton_lora
+            triton_lora.lora_delta(y, x, self.a, self.b, batch.plan)
+        elif len(batch.segments) > 1 and self.a.shape[0] <= MASKED_SLOTS:
             lora_delta_masked(y, x, self.a, self.b, batch)
         elif batch.segments:
             lora_delta(y, x, self.a, self.b, batch)
@@ -138,8 +158,10 @@ class LoRALinear(nn.Module):
 
 @dataclass
 class LoRAState:
-    """What every LoRALinear of a model shares: the step's rows per slot."""
+    """What every LoRALinear of a model shares: the step's rows per slot; `triton`: the
+    attention backend's kernels are Triton's (the LoRA products then are too)."""
 
     device: torch.device
     dtype: torch.dtype
+    triton: bool = False
     batch: LoRABatch = field(default_factory=LoRABatch)

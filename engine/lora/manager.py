@@ -40,12 +40,12 @@ def _get(root, path: str):
 
 class LoRAManager:
     def __init__(self, model: torch.nn.Module, model_cfg, max_loras: int, max_rank: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, triton: bool = False) -> None:
         if max_loras < 1 or max_rank < 1:
             raise ValueError("--max-loras and --max-lora-rank must be >= 1")
         self.model_cfg = model_cfg
         self.max_loras, self.max_rank = max_loras, max_rank
-        self.state = LoRAState(device, dtype)
+        self.state = LoRAState(device, dtype, triton)
         self.layers: dict[tuple[int, str], tuple[LoRALinear, tuple[str, ...], str | None]] = {}
         for i, layer in enumerate(model.model.layers):
             for path, parts, fused in _MODULES:
@@ -139,5 +139,6 @@ class LoRAManager:
 
     def set_batch(self, slots: list[int] | None, q_lens: list[int]) -> None:
         """The step's rows per slot (None: every row the base model's)."""
-        self.state.batch = (LoRABatch.of(list(slots), list(q_lens), self.state.device)
+        self.state.batch = (LoRABatch.of(list(slots), list(q_lens), self.state.device,
+                                         self.state.triton)
                             if slots is not None else LoRABatch())
