@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdkernels.triton_attention import _dot     # fp32 products exact (ieee) where asked
+
 BLOCK_M = 16        # rows of a tile (tl.dot's least)
 BLOCK_K = 64        # the input dim, per step of the shrink's loop
 BLOCK_N = 64        # output columns of an expand program
@@ -57,12 +59,16 @@ def plan(segments: list[tuple[int, list[int]]], device: torch.device) -> LoRAPla
 
 
 @triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:
-        c = tl.dot(a, b, input_precision="ieee")
-    else:
-        c = tl.dot(a, b)
-    return c
+def _tile_rows(perm_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr, BLOCK_M: tl.constexpr):
+    """The program's tile: its slot, its rows [BLOCK_M] (int64) and which of them are real."""
+    tile = tl.program_id(0)
+    slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
+    start = tl.load(tile_start_ptr + tile)
+    end = tl.load(tile_end_ptr + tile)
+    m = start + tl.arange(0, BLOCK_M)
+    m_ok = m < end
+    rows = tl.load(perm_ptr + m, mask=m_ok, other=0).to(tl.int64)
+    return slot, rows, m_ok
 
 
 @triton.jit
@@ -71,13 +77,8 @@ def _shrink_kernel(x_ptr, a_ptr, h_ptr, perm_ptr, tile_slot_ptr, tile_start_ptr,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                    IEEE: tl.constexpr):
     """Program (tile, column block of S * R): h[rows, cols] = x[rows] @ a[slot, cols]^T."""
-    tile = tl.program_id(0)
-    slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
-    start = tl.load(tile_start_ptr + tile)
-    end = tl.load(tile_end_ptr + tile)
-    m = start + tl.arange(0, BLOCK_M)
-    m_ok = m < end
-    rows = tl.load(perm_ptr + m, mask=m_ok, other=0).to(tl.int64)
+    slot, rows, m_ok = _tile_rows(perm_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr,
+                                  BLOCK_M)
     cols = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     c_ok = cols < width
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
@@ -100,13 +101,8 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, perm_ptr, tile_slot_ptr, tile_start_ptr,
                    IEEE: tl.constexpr):
     """Program (tile, column block of the shard): y[rows, y_col0 + n] += h[rows, h_col0 + r]
     @ b[slot, r, n]."""
-    tile = tl.program_id(0)
-    slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
-    start = tl.load(tile_start_ptr + tile)
-    end = tl.load(tile_end_ptr + tile)
-    m = start + tl.arange(0, BLOCK_M)
-    m_ok = m < end
-    rows = tl.load(perm_ptr + m, mask=m_ok, other=0).to(tl.int64)
+    slot, rows, m_ok = _tile_rows(perm_ptr, tile_slot_ptr, tile_start_ptr, tile_end_ptr,
+                                  BLOCK_M)
     r = tl.arange(0, BLOCK_R)
     r_ok = r < rank
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
