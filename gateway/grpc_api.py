@@ -25,7 +25,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.sampling_limits import EARLY_STOPPING
-from gateway import lora_admin
 from gateway.choice_text import Delta
 from gateway.errors import GatewayError, bad_request
 from gateway.limits import InFlight
@@ -170,22 +169,22 @@ class GenerationServicer(pdserve_pb2_grpc.GenerationServicer):
         if isinstance(request, Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a LoRARequest: "
                                 f"{request.reason}")
-        router = self.pipeline.router
+        loras = self.pipeline.loras
         served = self.preparer.served.name
         try:
             if not request.name or request.name == served:
                 raise GatewayError(f"a LoRA adapter's name must be set and not the base model's "
                                    f"(`{served}`)", param="name")
             if request.path:
-                if request.name in router.lora_names():
+                if request.name in loras.names():
                     raise GatewayError(f"The LoRA adapter `{request.name}` is already loaded; "
                                        "unload it first", param="name")
-                await lora_admin.load(router, request.name, request.path)
+                await loras.load(request.name, request.path)
             else:
-                await lora_admin.unload(router, request.name)
+                await loras.unload(request.name)
         except GatewayError as err:
             await abort(context, err)
-        return pdserve_pb2.LoRAReply(loaded=sorted(router.lora_names()))
+        return pdserve_pb2.LoRAReply(loaded=sorted(loras.names()))
 
     async def _prepare(self, request, context, trace: RequestTrace
                        ) -> tuple[Prompt, PreparedRequest]:

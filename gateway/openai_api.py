@@ -37,7 +37,6 @@ from gateway.limits import InFlight, Slots
 from gateway.openai_format import OpenAIFormatter, ToolOutput
 from gateway.params import PreparedRequest, RequestPreparer
 from gateway.pipeline import Pipeline
-from gateway import lora_admin
 from gateway.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRARequest,
                               UnloadLoRARequest, validation_error)
 from gateway.router import Router
@@ -389,7 +388,7 @@ def create_app(preparer: RequestPreparer, pipeline: Pipeline, router: Router,
         base = {"id": served.name, "object": "model", "created": started, "owned_by": "pdserve",
                 "root": served.name, "parent": None, "max_model_len": served.max_model_len}
         adapters = [dict(base, id=name, root=name, parent=served.name)
-                    for name in sorted(router.lora_names())]
+                    for name in sorted(pipeline.loras.names())]
         return {"object": "list", "data": [base, *adapters]}
 
     @app.post("/v1/load_lora_adapter")
@@ -397,11 +396,11 @@ def create_app(preparer: RequestPreparer, pipeline: Pipeline, router: Router,
         if body.lora_name == served.name:
             return _error_response(bad_request(f"`{served.name}` is the base model's name",
                                                "lora_name"))
-        if body.lora_name in router.lora_names():
+        if body.lora_name in pipeline.loras.names():
             return _error_response(bad_request(f"The LoRA adapter `{body.lora_name}` is "
                                                "already loaded; unload it first", "lora_name"))
         try:
-            await lora_admin.load(router, body.lora_name, body.lora_path)
+            await pipeline.loras.load(body.lora_name, body.lora_path)
         except GatewayError as exc:
             return _error_response(exc)
         return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.",
@@ -410,7 +409,7 @@ def create_app(preparer: RequestPreparer, pipeline: Pipeline, router: Router,
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRARequest):
         try:
-            await lora_admin.unload(router, body.lora_name)
+            await pipeline.loras.unload(body.lora_name)
         except GatewayError as exc:
             return _error_response(exc)
         return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.",

@@ -47,6 +47,7 @@ from cluster.tracing import NO_SPAN, Span, Tracing
 from gateway.choice_text import Choices, Delta, gateway_logprobs
 from gateway.errors import GatewayError
 from gateway.liveness import Liveness
+from gateway.lora_admin import LoRAAdmin
 from gateway.params import PreparedRequest
 from gateway.router import PrefillTicket, Route, Router
 from gateway.timing import RequestTrace
@@ -142,6 +143,7 @@ class Pipeline:
                  config: PipelineConfig = PipelineConfig(),
                  metrics: GatewayMetrics | None = None, tracing: Tracing | None = None) -> None:
         self.router = router
+        self.loras = LoRAAdmin(router)       # adapters: load / unload, on demand
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = metrics or GatewayMetrics()
@@ -272,6 +274,8 @@ class Pipeline:
         resume = choices.resume_token_ids()
         tokens = prepared.prompt_token_ids + resume
         with trace.phase("route") as span:
+            if prepared.lora_name:          # both roles serve it, loaded on demand if need be
+                await self.loras.ensure(prepared.lora_name)
             route = await self.router.route(tokens, prepared.cache_salt, frozenset(tried),
                                             prepared.lora_name)
             if span:

@@ -81,9 +81,10 @@ async def serve(args: argparse.Namespace) -> None:
     router = Router(args.redis_url, routing=args.routing, metrics=metrics,
                     expected_shape=kv_shape(model_dir), auth=auth,
                     redis_settings=redis_settings)
-    preparer.adapters = router.lora_names     # a request's `model` may name a worker's adapter
     tracing = Tracing.from_args(args, "pdserve-gateway")    # both front doors use pipeline's
     pipeline = Pipeline(router, preparer.tokenizer, _pipeline_config(args), metrics, tracing)
+    pipeline.loras.known.update(dict(getattr(args, "lora_modules", None) or ()))
+    preparer.adapters = pipeline.loras.names   # a request's `model` may name an adapter
 
     keys = ApiKeys.from_sources(getattr(args, "api_key", None),
                                 getattr(args, "api_key_file", None))

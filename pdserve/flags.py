@@ -304,6 +304,11 @@ def add_gateway(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=DEFAULT_REDIS_URL, help="Redis for worker discovery")
     p.add_argument("--max-model-len", type=int, default=0,
                    help="context length limit (0: the model's max_position_embeddings)")
+    p.add_argument("--lora-modules", type=lora_module, nargs="+", default=[],
+                   metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders on the workers' hosts) the gateway loads on "
+                        "a worker that lacks one when a request names it (the workers' own "
+                        "--lora-modules are loaded at their start)")
     p.add_argument("--routing", default="prefix", choices=["prefix", "load", "round-robin"],
                    help="how workers are chosen: prefix (the prefill worker holding the longest "
                         "cached prefix, weighed against its queue; Redis prefix directory), load "

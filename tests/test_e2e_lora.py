@@ -55,14 +55,19 @@ def test_adapters_through_prefill_transfer_and_decode(tiny_llama, tmp_path):
                            seed=1)
     w2, s2 = write_adapter(tmp_path / "two", ["k_proj", "gate_proj", "up_proj"], 8, 16, seed=2)
     write_adapter(tmp_path / "wide", ["q_proj"], 32, 32, seed=3)
+    w3, s3 = write_adapter(tmp_path / "three", ["v_proj", "up_proj"], 4, 4, seed=4)
     lora = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2",
             "--lora-modules", f"one={tmp_path / 'one'}")
-    with standard_stack(d, tmp_path, gateway_args=NAME, prefill_args=(*NAME, *lora),
+    gateway = (*NAME, "--lora-modules", f"three={tmp_path / 'three'}")   # loaded on demand
+    with standard_stack(d, tmp_path, gateway_args=gateway, prefill_args=(*NAME, *lora),
                         decode_args=(*NAME, *lora)) as s:
         base = s.procs[-1].http
         models = httpx.get(f"{base}/v1/models", timeout=10).json()["data"]
-        assert [(m["id"], m["parent"]) for m in models] == [("tiny-llama", None),
-                                                            ("one", "tiny-llama")]
+        assert [(m["id"], m["parent"]) for m in models] == [
+            ("tiny-llama", None), ("one", "tiny-llama"), ("three", "tiny-llama")]
+        # no worker has `three`: the first request loads it on a worker of each role
+        assert tokens(complete(base, "three", [9, 8, 7] * 6)) == hf_greedy(
+            merged(hf, w3, s3), [9, 8, 7] * 6, NEW)
         r = httpx.post(f"{base}/v1/load_lora_adapter", timeout=60,
                        json={"lora_name": "two", "lora_path": str(tmp_path / "two")})
         assert r.status_code == 200 and "added successfully" in r.text, r.text
@@ -88,7 +93,8 @@ def test_adapters_through_prefill_transfer_and_decode(tiny_llama, tmp_path):
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         with grpc.insecure_channel(s.procs[-1].address) as ch:      # the same over gRPC
             stub = pb_grpc.GenerationStub(ch)
-            assert list(stub.LoRA(pb.LoRARequest(name="two"), timeout=60).loaded) == ["one"]
+            assert list(stub.LoRA(pb.LoRARequest(name="two"), timeout=60).loaded) == ["one",
+                                                                                "three"]
             with pytest.raises(grpc.RpcError) as err:
                 stub.LoRA(pb.LoRARequest(name="wide", path=str(tmp_path / "wide")), timeout=60)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
