@@ -129,13 +129,13 @@ class ModelRunner:
             self.model.kv_placement = self.groups.placement()
         self.lora = None
         if cfg.enable_lora:
-            if tp.size > 1:
-                raise ValueError("LoRA adapters (--enable-lora) with --tensor-parallel-size > 1 "
-                                 "are not supported yet")
             from engine.lora.manager import LoRAManager
             self.lora = LoRAManager(self.model, model_cfg, cfg.max_loras, cfg.max_lora_rank,
                                     self.device, self.dtype,
                                     triton=self.backend.kernels == "triton")
+            if tp.size > 1 and tp.rank == 0:        # the other ranks write the same slots
+                self.lora.on_write = lambda slot, adapter: self._tp_op(
+                    self.tp.command, ("lora", slot, adapter))
         self.sampler = Sampler(m.eos_token_ids)
         self.buffers = self._new_buffers(self.sizes)
         self.num_blocks = cfg.num_blocks or self._blocks_from_memory()
@@ -360,6 +360,8 @@ class ModelRunner:
                                          prompt_targets=args[4], prompt_top=args[5]))
             elif op == "copy":
                 self._copy_blocks(args[0])
+            elif op == "lora":
+                self.lora.write(args[0], args[1])
             elif op == "read":
                 self._read_blocks(args[0])
             elif op == "write":

@@ -119,8 +119,9 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, perm_ptr, tile_slot_ptr, tile_start_ptr,
 
 
 def lora_delta(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: list[torch.Tensor],
-               p: LoRAPlan) -> None:
-    """y += the plan's rows' LoRA products (see the module docstring), in place."""
+               p: LoRAPlan, reduce=None) -> None:
+    """y += the plan's rows' LoRA products (see the module docstring), in place. `reduce`
+    (tensor parallelism, a row-parallel layer): sums the shrink's h over the ranks first."""
     assert x.stride(1) == 1 and y.stride(1) == 1 and a.is_contiguous()
     assert all(bs.is_contiguous() for bs in b)
     slots, width, fan_in = a.shape
@@ -128,12 +129,14 @@ def lora_delta(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: list[torch.
     if p.num_tiles == 0:
         return
     ieee = x.dtype == torch.float32
-    h = torch.empty(x.shape[0], width, dtype=torch.float32, device=x.device)
+    h = torch.zeros(x.shape[0], width, dtype=torch.float32, device=x.device)
     block_r = max(16, triton.next_power_of_2(min(width, 64)))
     _shrink_kernel[(p.num_tiles, triton.cdiv(width, block_r))](
         x, a, h, p.perm, p.tile_slot, p.tile_start, p.tile_end, fan_in, width, x.stride(0),
         a.stride(0), a.stride(1), h.stride(0), BLOCK_M=BLOCK_M, BLOCK_R=block_r,
         BLOCK_K=BLOCK_K, IEEE=ieee)
+    if reduce is not None:
+        h = reduce(h)
     rank_block = max(16, triton.next_power_of_2(rank))
     col = 0
     for s, bs in enumerate(b):

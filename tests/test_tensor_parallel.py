@@ -246,3 +246,46 @@ def test_tp_matches_one_rank_for_layers_that_differ(tmp_path, family):
     torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(kv, ref_kv, rtol=1e-5, atol=1e-5)
     assert tokens == ref_tokens
+
+
+def test_lora_adapters_over_two_ranks_give_one_ranks_tokens(tmp_path):
+    """Each rank holds its share of every slot (merged projections' B rows, row-parallel
+    ones' A columns, their h summed before the expand); rank 0 hands the adapters it writes
+    into slots to the other rank. Base + two adapters (one fused-free, one on every MLP
+    projection), batched, with --max-loras 1 too (slots rewritten while serving)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.request import Request, SamplingParams
+    from tests.test_lora import PROMPTS, TINY, write_adapter
+
+    cfg = AutoConfig.for_model("llama", architectures=["LlamaForCausalLM"], **TINY)
+    cfg.initializer_range = 0.2
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp_path)
+    write_adapter(tmp_path / "a1", ["q_proj", "k_proj", "v_proj", "o_proj"], 4, 8, seed=1)
+    write_adapter(tmp_path / "a2", ["gate_proj", "up_proj", "down_proj"], 8, 16, seed=2)
+
+    def run(tp, max_loras):
+        eng = make_engine(tmp_path, tensor_parallel_size=tp, enable_lora=True,
+                          max_loras=max_loras, max_lora_rank=8, num_blocks=64, block_size=4)
+        try:
+            eng.add_lora("a1", str(tmp_path / "a1"))
+            eng.add_lora("a2", str(tmp_path / "a2"))
+            params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+            got = {}
+            for i, (prompt, lora) in enumerate(zip(PROMPTS * 2, ["a1", "", "a2", "a2", "a1",
+                                                                   ""])):
+                req = Request(str(i), prompt, params)
+                req.lora_name = lora
+                eng.add_request(req)
+                got[str(i)] = []
+            while eng.has_work():
+                for o in eng.step():
+                    got[o.request_id].extend(o.new_token_ids)
+            return got
+        finally:
+            eng.close()
+
+    want = run(1, 2)
+    assert run(2, 2) == want
+    assert run(2, 1) == want

@@ -75,11 +75,11 @@ class LoRABatch:
 
 
 def lora_delta(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: list[torch.Tensor],
-               batch: LoRABatch) -> None:
+               batch: LoRABatch, reduce=None) -> None:
     """y[rows] += [h_s @ b[s][slot] for each shard s] with h = x[rows] @ A[slot]^T, for each
     slot's rows (in place). x [T, in], y [T, out]; a [slots, shards * R, in], b[s] [slots, R,
-    out_s] (the out_s summing to out). The shrink fills h for every row first, then the
-    expand (under tensor parallelism a row-parallel layer's h is what would be summed)."""
+    out_s] (the out_s summing to out). `reduce` (tensor parallelism, a row-parallel layer: x
+    and A hold this rank's input features): sums h over the ranks between shrink and expand."""
     rank = b[0].shape[1]
     whole = len(batch.segments) == 1 and batch.segments[0][1].numel() == x.shape[0]
     if whole:
@@ -89,6 +89,8 @@ def lora_delta(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: list[torch.
         h = x.new_zeros(x.shape[0], a.shape[1])
         for slot, rows in batch.segments:
             h.index_copy_(0, rows, x.index_select(0, rows) @ a[slot].t())
+    if reduce is not None:
+        h = reduce(h)
     for slot, rows in batch.segments:
         hs = h if whole else h.index_select(0, rows)
         parts = [hs[:, i * rank:(i + 1) * rank] @ bs[slot] for i, bs in enumerate(b)]
@@ -100,12 +102,14 @@ def lora_delta(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: list[torch.
 
 
 def lora_delta_masked(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor,
-                      b: list[torch.Tensor], batch: LoRABatch) -> None:
+                      b: list[torch.Tensor], batch: LoRABatch, reduce=None) -> None:
     """lora_delta's result (up to rounding) with every row against every slot: a [L, S*R, in],
     b[s] [L, R, out_s] -> y += [((x A_all^T) * mask)_s B_s,all for each shard s]."""
     slots, width, fan_in = a.shape
     shards, rank = len(b), b[0].shape[1]
     h = x @ a.view(slots * width, fan_in).t()
+    if reduce is not None:
+        h = reduce(h)
     h = h.view(-1, slots, shards, rank) * batch.mask(slots, shards, rank, h.dtype)
     parts = [h[:, :, i, :].reshape(-1, slots * rank)
              @ bs.view(slots * rank, -1) for i, bs in enumerate(b)]
@@ -117,11 +121,13 @@ class LoRALinear(nn.Module):
     columns each adaptable part fills (one part: the whole output)."""
 
     def __init__(self, base: nn.Module, in_features: int, shards: list[tuple[int, int]],
-                 slots: int, rank: int, state: "LoRAState") -> None:
+                 slots: int, rank: int, state: "LoRAState", reduce=None) -> None:
+        """`reduce`: a row-parallel layer's all-reduce (its input split over the ranks)."""
         super().__init__()
         self.base = base
         self.shards = shards
         self.state = state
+        self.reduce = reduce
         dtype, device = state.dtype, state.device
         if [lo for lo, _ in shards] != [0] + [hi for _, hi in shards[:-1]]:
             raise ValueError(f"LoRA shards {shards} do not tile the output")
@@ -148,11 +154,11 @@ class LoRALinear(nn.Module):
         batch = self.state.batch
         if batch.plan is not None:                    # the Triton kernels
             from pdkernels import triton_lora
-            triton_lora.lora_delta(y, x, self.a, self.b, batch.plan)
+            triton_lora.lora_delta(y, x, self.a, self.b, batch.plan, self.reduce)
         elif len(batch.segments) > 1 and self.a.shape[0] <= MASKED_SLOTS:
-            lora_delta_masked(y, x, self.a, self.b, batch)
+            lora_delta_masked(y, x, self.a, self.b, batch, self.reduce)
         elif batch.segments:
-            lora_delta(y, x, self.a, self.b, batch)
+            lora_delta(y, x, self.a, self.b, batch, self.reduce)
         return y
 
 

@@ -5,7 +5,10 @@
     activate(names)      before a step: every adapter the step uses in a slot -> name -> slot
 
 `--max-loras` slots hold adapters on the device (engine.lora.layers: stacks in every adapted
-projection). A step uses at most that many adapters (the scheduler admits no request whose
+projection). Under tensor parallelism every rank holds its share of each slot: a merged
+(column-parallel) projection the rows of B its output rows are, a row-parallel one the columns
+of A its input features are (its h summed over the ranks before the expand); rank 0 decides,
+and hands each adapter it writes into a slot to the other ranks (`on_write`). A step uses at most that many adapters (the scheduler admits no request whose
 adapter would make more among the running ones); `activate` writes a missing one into a slot
 no adapter of the step holds, the least recently used first.
 """
@@ -41,6 +44,9 @@ def _get(root, path: str):
 class LoRAManager:
     def __init__(self, model: torch.nn.Module, model_cfg, max_loras: int, max_rank: int,
                  device: torch.device, dtype: torch.dtype, triton: bool = False) -> None:
+        """Rank 0 of a tensor-parallel engine sets `on_write(slot, adapter)`: the other ranks
+        write the same adapter into the same slot."""
+        self.on_write = None
         if max_loras < 1 or max_rank < 1:
             raise ValueError("--max-loras and --max-lora-rank must be >= 1")
         self.model_cfg = model_cfg
@@ -54,8 +60,11 @@ class LoRAManager:
                     continue                      # (an MoE layer's experts: not adapted)
                 shards = ([base.shard_rows(j) for j in range(len(parts))]
                           if len(parts) > 1 else [(0, base.out_features)])
+                tp = getattr(base, "tp", None)
+                row = len(parts) == 1 and hasattr(base, "full_in")       # row-parallel
+                reduce = tp.all_reduce if row and tp is not None and tp.size > 1 else None
                 wrapped = LoRALinear(base, base.in_features, shards, max_loras, max_rank,
-                                     self.state)
+                                     self.state, reduce)
                 owner, attr = path.rsplit(".", 1)
                 setattr(_get(layer, owner), attr, wrapped)
                 self.layers[i, path] = (wrapped, parts, fused)
@@ -121,20 +130,32 @@ class LoRAManager:
                 continue
             slot = next(s for s, held in self._slots.items()
                         if held is None or held.digest not in want)
-            self._write(slot, adapter)
+            if self.on_write is not None:
+                self.on_write(slot, adapter)
+            self.write(slot, adapter)
             self._slots[slot] = adapter
             out[digest] = slot
         for slot in out.values():
             self._slots.move_to_end(slot)
         return out
 
-    def _write(self, slot: int, adapter: LoRAAdapter) -> None:
+    def write(self, slot: int, adapter: LoRAAdapter) -> None:
+        """The adapter's weights into `slot`: this rank's share of each."""
         for (layer, path), (wrapped, parts, fused) in self.layers.items():
+            base = wrapped.base
             if fused is not None and (layer, fused) in adapter.weights:
-                a, b = adapter.weights[layer, fused]           # split B by the shards' rows
-                pieces = [(a, b[lo:hi]) for lo, hi in wrapped.shards]
+                a, b = adapter.weights[layer, fused]           # split B by the projections
+                starts = [sum(base.full_sizes[:j]) for j in range(len(parts))]
+                pieces = [(a, b[s:s + n]) for s, n in zip(starts, base.full_sizes)]
             else:
                 pieces = [adapter.weights.get((layer, p)) for p in parts]
+            if hasattr(base, "splits"):                 # merged: this rank's rows of each B
+                pieces = [None if pc is None else (pc[0], pc[1][s:s + n])
+                          for pc, (s, n) in zip(pieces, base.splits)]
+            elif hasattr(base, "full_in") and base.tp.size > 1:   # row-parallel: A's columns
+                w, r = base.in_features, base.tp.rank
+                pieces = [None if pc is None else (pc[0][:, r * w:(r + 1) * w], pc[1])
+                          for pc in pieces]
             wrapped.set_slot(slot, pieces, adapter.scaling)
 
     def set_batch(self, slots: list[int] | None, q_lens: list[int]) -> None:
