@@ -11,13 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import httpx
 import pytest
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM
-
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from tests.stack import copy_tokenizer, metric, standard_stack, wait_idle
-from tests.test_lora import TINY, hf_greedy, merged, write_adapter
+from tests.test_lora import hf_greedy, make_base, merged, write_adapter
 
 pytestmark = pytest.mark.slow
 
@@ -28,12 +25,7 @@ NEW = 10
 @pytest.fixture(scope="module")
 def tiny_llama(model_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny-llama")
-    cfg = AutoConfig.for_model("llama", architectures=["LlamaForCausalLM"],
-                               **dict(TINY, vocab_size=49152, max_position_embeddings=2048))
-    cfg.initializer_range = 0.2
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    hf.save_pretrained(d)
+    hf = make_base(d, vocab_size=49152, max_position_embeddings=2048)
     copy_tokenizer(model_dir, d)
     return d, hf
 

@@ -60,3 +60,37 @@ def test_sliding_family_through_the_stack_is_hf_greedy(tiny_gemma, hf, tmp_path)
         assert complete(base, cases[0]) == want[0]      # again: from the prefix cache
         assert metric(s.proc("prefill").metrics, "pdserve_prefix_cache_hits_tokens_total") > 0
         wait_idle(s.proc("prefill"), s.proc("decode"), timeout_s=10)
+
+
+def test_phi3_longrope_through_the_stack_is_hf_greedy(model_dir, tmp_path):
+    """LongRoPE across prefill -> KV transfer -> decode: a prompt past the original context
+    (long factors on both workers), and one within it whose generation crosses it (the decode
+    worker computes it again with the long factors, as HF does)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.test_attention_families import LONGROPE, TINY
+    from tests.test_lora import hf_greedy
+
+    d = tmp_path / "tiny-phi3"
+    spec = {**TINY, **LONGROPE, "vocab_size": 49152, "original_max_position_embeddings": 32}
+    cfg = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    cfg.initializer_range = 0.2
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    hf.save_pretrained(d)
+    copy_tokenizer(model_dir, d)
+    name = ("--served-model-name", "tiny-phi3")
+    flags = (*name, "--max-num-batched-tokens", "16")
+    cases = [list(range(300, 340)), list(range(500, 520))]     # 40 tokens; 20 (+16 past 32)
+    with standard_stack(d, tmp_path, gateway_args=name, prefill_args=flags,
+                        decode_args=flags) as s:
+        base = s.procs[-1].http
+        for ids in cases:
+            r = httpx.post(f"{base}/v1/completions", timeout=300, json={
+                "model": "tiny-phi3", "prompt": ids, "max_tokens": NEW, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == hf_greedy(hf, ids, NEW)
+        assert metric(s.proc("decode").metrics, "pdserve_kv_transfer_blocks_total") > 0
+        wait_idle(s.proc("prefill"), s.proc("decode"), timeout_s=10)

@@ -29,15 +29,21 @@ MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    d = tmp_path_factory.mktemp("base")
-    cfg = AutoConfig.for_model("llama", architectures=["LlamaForCausalLM"], **TINY)
+def make_base(path, **overrides):
+    """A tiny random Llama (peaked: greedy ties do not flip) saved in `path`; returns HF's."""
+    cfg = AutoConfig.for_model("llama", architectures=["LlamaForCausalLM"],
+                               **{**TINY, **overrides})
     cfg.initializer_range = 0.2
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    hf.save_pretrained(d)
-    return d, hf
+    hf.save_pretrained(path)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    d = tmp_path_factory.mktemp("base")
+    return d, make_base(d)
 
 
 def write_adapter(path, targets, rank, alpha, seed, rslora=False, shapes=SHAPES, layers=2,

@@ -253,15 +253,10 @@ def test_lora_adapters_over_two_ranks_give_one_ranks_tokens(tmp_path):
     ones' A columns, their h summed before the expand); rank 0 hands the adapters it writes
     into slots to the other rank. Base + two adapters (one fused-free, one on every MLP
     projection), batched, with --max-loras 1 too (slots rewritten while serving)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from engine.request import Request, SamplingParams
-    from tests.test_lora import PROMPTS, TINY, write_adapter
+    from tests.test_lora import PROMPTS, make_base, write_adapter
 
-    cfg = AutoConfig.for_model("llama", architectures=["LlamaForCausalLM"], **TINY)
-    cfg.initializer_range = 0.2
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp_path)
+    make_base(tmp_path)
     write_adapter(tmp_path / "a1", ["q_proj", "k_proj", "v_proj", "o_proj"], 4, 8, seed=1)
     write_adapter(tmp_path / "a2", ["gate_proj", "up_proj", "down_proj"], 8, 16, seed=2)
 

@@ -119,13 +119,9 @@ def test_gpt_oss_on_the_triton_attention_backend(tmp_path):
 def test_lora_adapters_on_the_triton_backend(tmp_path):
     """CUDA's LoRA path (pdkernels.triton_lora, chosen with the Triton attention backend): a
     batch of the base model and two adapters gives the torch path's greedy tokens."""
-    from tests.test_lora import TINY, write_adapter
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from tests.test_lora import make_base, write_adapter
 
-    cfg = AutoConfig.for_model("llama", architectures=["LlamaForCausalLM"], **TINY)
-    cfg.initializer_range = 0.2
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp_path)
+    make_base(tmp_path)
     write_adapter(tmp_path / "a1", ["q_proj", "v_proj", "down_proj"], 4, 8, seed=1)
     write_adapter(tmp_path / "a2", ["k_proj", "o_proj", "gate_proj", "up_proj"], 8, 16, seed=2)
 
